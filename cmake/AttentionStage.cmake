@@ -1,0 +1,183 @@
+# attention_stage(NAME SOURCE [CAUSAL] [BACKWARD] [DIMS d...] [DTYPES t...])
+#
+# Builds one stage program (a .c file runs on the CPU, a .cu file on the GPU) and registers
+# its CTest cases, named "<stage>.<case>" so that `ctest -R 02_` runs one stage, and
+# labelled cpu, gpu or sanitizer. A GPU test run where there is no GPU exits 77, which CTest
+# shows as skipped, never as passed. The matrix is CONVENTIONS.md section 4.
+
+set(ATTN_CMAKE_DIR ${CMAKE_CURRENT_LIST_DIR})
+set(ATTN_BIN_DIR ${CMAKE_BINARY_DIR}/bin)
+set(ATTN_SKIP_REGEX "no CUDA device")
+
+# Square N, (Nq, Nkv) pairs, the (B, H) list (CONVENTIONS.md section 4).
+set(ATTN_SQUARE_N 1 2 5 17 64 97 113 127 128 129 200 257 1023 1025)
+set(ATTN_PAIRS 1,147 3,799 113,203 128,217 127,513 256,512 512,256 239,1 799,3 1023,1024
+               1024,1023)
+set(ATTN_BATCH_HEADS 1,1 2,3 4,9)
+# Logits of magnitude 1e3 and more: a softmax scale of 100 (instead of 1/8 at d = 64) makes
+# max|S| about 3000 on unit-normal inputs.
+set(ATTN_LARGE_LOGIT_SCALE 100)
+
+function(attn_test stage case kind)
+  set(name ${stage}.${case})
+  add_test(NAME ${name} COMMAND ${stage} ${ARGN})
+  set_tests_properties(${name} PROPERTIES LABELS ${kind} SKIP_RETURN_CODE 77 TIMEOUT 600)
+endfunction()
+
+# A run that must exit with `code` and print a line matching `regex`.
+function(attn_expect stage case kind code regex)
+  string(JOIN "^" args ${ARGN})
+  set(name ${stage}.${case})
+  add_test(NAME ${name}
+           COMMAND ${CMAKE_COMMAND} -DPROGRAM=$<TARGET_FILE:${stage}> -DARGS=${args}
+                   -DEXPECT_CODE=${code} "-DEXPECT_REGEX=${regex}" -P ${ATTN_CMAKE_DIR}/expect.cmake)
+  set_tests_properties(${name} PROPERTIES LABELS ${kind} SKIP_REGULAR_EXPRESSION
+                                          "${ATTN_SKIP_REGEX}" TIMEOUT 120)
+endfunction()
+
+# Two runs whose saved .npy files must be identical bit for bit: MODE=reload runs with
+# --save, then --load of what it saved; MODE=repeat runs the same command twice.
+function(attn_compare_runs stage case kind mode)
+  string(JOIN "^" args ${ARGN})
+  set(name ${stage}.${case})
+  add_test(NAME ${name}
+           COMMAND ${CMAKE_COMMAND} -DPROGRAM=$<TARGET_FILE:${stage}> -DARGS=${args}
+                   -DMODE=${mode} -DWORK_DIR=${CMAKE_CURRENT_BINARY_DIR}/${case}
+                   -P ${ATTN_CMAKE_DIR}/compare_runs.cmake)
+  set_tests_properties(${name} PROPERTIES LABELS ${kind} SKIP_REGULAR_EXPRESSION
+                                          "${ATTN_SKIP_REGEX}" TIMEOUT 300)
+endfunction()
+
+function(attention_stage name source)
+  cmake_parse_arguments(ARG "CAUSAL;BACKWARD" "" "DIMS;DTYPES" ${ARGN})
+  get_filename_component(ext ${source} LAST_EXT)
+  if(ext STREQUAL ".cu")
+    if(NOT ATTN_CUDA)
+      return()
+    endif()
+    set(kind gpu)
+  else()
+    set(kind cpu)
+  endif()
+  add_executable(${name} ${source})
+  if(kind STREQUAL "gpu")
+    target_link_libraries(${name} PRIVATE attn_gpu)
+    # Report registers, spills and shared memory per kernel at build time.
+    target_compile_options(${name} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-Xptxas=-v>
+                                           $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo>)
+  else()
+    target_link_libraries(${name} PRIVATE attn_common)
+  endif()
+  set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${ATTN_BIN_DIR})
+  set_property(GLOBAL APPEND PROPERTY ATTN_STAGES ${name})
+  set_property(GLOBAL APPEND PROPERTY ATTN_STAGE_KINDS ${kind})
+
+  if(ARG_DIMS)
+    set(dims ${ARG_DIMS})
+  elseif(kind STREQUAL "gpu")
+    set(dims 32 64 128)
+  else()
+    set(dims 32 64 128 40 59)
+  endif()
+  set(dtypes fp32)
+  if(ARG_DTYPES)
+    set(dtypes ${ARG_DTYPES})
+  endif()
+  list(GET dims 0 d0)
+  set(masks "")
+  if(ARG_CAUSAL)
+    set(masks "" causal)
+  endif()
+
+  foreach(dtype ${dtypes})
+    set(t "")
+    if(NOT dtype STREQUAL "fp32")
+      set(t ".${dtype}")
+    endif()
+    set(common_args --check --dtype ${dtype})
+    set(bwd "")
+    if(ARG_BACKWARD)
+      set(bwd --backward)
+    endif()
+    foreach(mask IN ITEMS nomask ${masks})
+      set(m "")
+      set(c "")
+      if(mask STREQUAL "causal")
+        set(m ".causal")
+        set(c --causal)
+      endif()
+      foreach(n ${ATTN_SQUARE_N})
+        attn_test(${name} square.N${n}${m}${t} ${kind} ${common_args} ${c} ${bwd} -n ${n} -d 64)
+      endforeach()
+      foreach(pair ${ATTN_PAIRS})
+        string(REPLACE "," ";" qk ${pair})
+        list(GET qk 0 nq)
+        list(GET qk 1 nkv)
+        attn_test(${name} pair.${nq}x${nkv}${m}${t} ${kind} ${common_args} ${c} ${bwd} -H 2
+                  --seq-q ${nq} --seq-kv ${nkv} -d 64)
+      endforeach()
+      foreach(d ${dims})
+        attn_test(${name} dim.d${d}${m}${t} ${kind} ${common_args} ${c} ${bwd} -b 2 -H 3 -n 129
+                  -d ${d})
+        attn_test(${name} dim.d${d}.pair${m}${t} ${kind} ${common_args} ${c} ${bwd}
+                  --seq-q 200 --seq-kv 67 -d ${d})
+      endforeach()
+      foreach(bh ${ATTN_BATCH_HEADS})
+        string(REPLACE "," ";" bhl ${bh})
+        list(GET bhl 0 b)
+        list(GET bhl 1 h)
+        attn_test(${name} heads.B${b}H${h}${m}${t} ${kind} ${common_args} ${c} ${bwd} -b ${b}
+                  -H ${h} -n 113 -d ${d0})
+      endforeach()
+      attn_test(${name} hard.large_logits${m}${t} ${kind} ${common_args} ${c} ${bwd} -n 257 -d 64
+                --scale ${ATTN_LARGE_LOGIT_SCALE})
+      attn_test(${name} hard.const_v${m}${t} ${kind} ${common_args} ${c} ${bwd} -n 200 -d 64
+                --inputs const-v)
+      attn_test(${name} hard.zero_q${m}${t} ${kind} ${common_args} ${c} ${bwd} -n 200 -d 64
+                --inputs zero-q)
+      attn_test(${name} hard.nkv1${m}${t} ${kind} ${common_args} ${c} ${bwd} --seq-q 97
+                --seq-kv 1 -d 64)
+      if(kind STREQUAL "gpu")
+        # More (batch, head) pairs than 4 x the SMs of an H100 (132) or an A100 (108).
+        attn_test(${name} heads.many${m}${t} ${kind} ${common_args} ${c} ${bwd} -b 8 -H 72
+                  -n 64 -d 64)
+        attn_compare_runs(${name} deterministic${m}${t} ${kind} repeat ${common_args} ${c}
+                          -b 2 -H 3 -n 1025 -d 64)
+      endif()
+    endforeach()
+  endforeach()
+
+  # Save, then load what was saved: the same output bit for bit.
+  attn_compare_runs(${name} save_load ${kind} reload --check -b 2 -H 3 --seq-q 97
+                    --seq-kv 130 -d ${d0})
+
+  # Bad input: exit 2 with one line saying what and why.
+  attn_expect(${name} bad.zero_seq ${kind} 2 "--seq must be an integer" -n 0)
+  attn_expect(${name} bad.negative_batch ${kind} 2 "--batch must be an integer" -b -3)
+  attn_expect(${name} bad.not_a_number ${kind} 2 "--dim must be an integer" -d 6x4)
+  attn_expect(${name} bad.missing_value ${kind} 2 "--heads needs a value" --heads)
+  attn_expect(${name} bad.unknown_option ${kind} 2 "unknown option '--fast'" --fast)
+  attn_expect(${name} bad.dtype_name ${kind} 2 "--dtype must be fp32, fp16 or bf16"
+              --dtype fp64)
+  attn_expect(${name} bad.scale_nan ${kind} 2 "--scale must be a finite number" --scale nan)
+  attn_expect(${name} bad.too_large ${kind} 2 "too large" -b 16384 -H 16384 -n 16384)
+  attn_expect(${name} bad.load_missing ${kind} 2 "No such file" --load
+              ${CMAKE_CURRENT_BINARY_DIR}/no_such_dir)
+  if(NOT ARG_CAUSAL)
+    attn_expect(${name} bad.causal ${kind} 2 "causal mask comes in 05_causal" --causal)
+  endif()
+  if(NOT ARG_BACKWARD)
+    attn_expect(${name} bad.backward ${kind} 2 "backward comes in 06_backward" --backward)
+  endif()
+  if(NOT ARG_DTYPES)
+    attn_expect(${name} bad.dtype_fp16 ${kind} 2 "fp32 only" --dtype fp16)
+  endif()
+  if(kind STREQUAL "gpu")
+    attn_expect(${name} bad.head_dim ${kind} 2 "head dim 40 is not supported" -d 40)
+  endif()
+  foreach(bad wrong_dtype wrong_shape fortran_order truncated)
+    attn_expect(${name} bad.npy_${bad} ${kind} 2 "npy" --load ${ATTN_NPY_FIXTURES}/${bad} -H 2
+                --seq-q 3 --seq-kv 5 -d ${d0})
+    set_tests_properties(${name}.bad.npy_${bad} PROPERTIES FIXTURES_REQUIRED npy_fixtures)
+  endforeach()
+endfunction()

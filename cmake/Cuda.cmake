@@ -1,0 +1,41 @@
+# CUDA is optional: without a toolkit the CPU stages still build and test.
+set(ATTN_CUDA OFF)
+if(ATTN_ENABLE_CUDA)
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    # The GPU that is present, else A100 and H100 (CMake's "native" fails where no GPU is
+    # present, so detect first). A user's -DCMAKE_CUDA_ARCHITECTURES=... always wins.
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      set(detected "")
+      find_program(NVIDIA_SMI nvidia-smi)
+      if(NVIDIA_SMI)
+        execute_process(COMMAND ${NVIDIA_SMI} --query-gpu=compute_cap --format=csv,noheader
+                        OUTPUT_VARIABLE caps RESULT_VARIABLE rc ERROR_QUIET
+                        OUTPUT_STRIP_TRAILING_WHITESPACE)
+        if(rc EQUAL 0 AND caps MATCHES "^([0-9]+)\\.([0-9]+)")
+          set(detected "${CMAKE_MATCH_1}${CMAKE_MATCH_2}")
+        endif()
+      endif()
+      if(detected)
+        set(CMAKE_CUDA_ARCHITECTURES ${detected} CACHE STRING "CUDA architectures")
+        message(STATUS "CUDA: building for the GPU present (sm_${detected})")
+      else()
+        set(CMAKE_CUDA_ARCHITECTURES "80;90" CACHE STRING "CUDA architectures")
+        message(STATUS "CUDA: no GPU detected, building for sm_80 and sm_90")
+      endif()
+    endif()
+    enable_language(CUDA)
+    find_package(CUDAToolkit REQUIRED)
+    set(CMAKE_CUDA_STANDARD 17)
+    set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+    add_compile_options(
+      "$<$<COMPILE_LANGUAGE:CUDA>:--Werror=all-warnings>"
+      "$<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra,-Werror>")
+    set(ATTN_CUDA ON)
+  else()
+    message(STATUS "CUDA: no CUDA toolkit found; the GPU stages 03-07 are skipped")
+  endif()
+else()
+  message(STATUS "CUDA: disabled (ATTN_ENABLE_CUDA=OFF); the GPU stages 03-07 are skipped")
+endif()

@@ -1,0 +1,21 @@
+# The README's main job (tour), the benchmark sweep (bench) and the plots (plots).
+set(ATTN_SCRIPTS ${CMAKE_SOURCE_DIR}/scripts)
+get_property(stages GLOBAL PROPERTY ATTN_STAGES)
+set(ATTN_EXTRA_PROGRAMS "")
+if(TARGET cublas_baseline)
+  list(APPEND ATTN_EXTRA_PROGRAMS cublas_baseline)
+endif()
+
+if(Python3_Interpreter_FOUND)
+  add_custom_target(tour
+    COMMAND ${Python3_EXECUTABLE} ${ATTN_SCRIPTS}/tour.py --bin ${ATTN_BIN_DIR}
+            --out ${CMAKE_BINARY_DIR}/tour
+    DEPENDS ${stages} ${ATTN_EXTRA_PROGRAMS} USES_TERMINAL
+    COMMENT "The tour: every stage on its default problem, the CPU sweep, the plots")
+  add_custom_target(plots
+    COMMAND ${Python3_EXECUTABLE} ${ATTN_SCRIPTS}/plots.py --results ${CMAKE_BINARY_DIR}/tour/sweep
+            --out ${CMAKE_BINARY_DIR}/tour/plots
+    USES_TERMINAL)
+else()
+  message(STATUS "Python 3 not found: the tour, bench and plots targets are skipped")
+endif()

@@ -1,0 +1,140 @@
+/* The one harness every stage plugs into.
+ *
+ * A stage file defines one `attn_stage` descriptor (its name, its idea, the head dims and
+ * dtypes it supports, its forward and backward) and calls attention_main(). Everything
+ * else a stage program does (command line, inputs, the float64 reference, the checks,
+ * timing, .npy files, result rows) lives here, once, so that a stage file holds only its
+ * algorithm and `diff` between two stages shows only the idea that was added.
+ *
+ * Layout (CONVENTIONS.md section 1): row-major [B, H, N, d], LSE [B, H, Nq].
+ */
+#ifndef ATTENTION_H
+#define ATTENTION_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Exit codes of every stage program (CONVENTIONS.md section 2). */
+enum { EXIT_OK = 0, EXIT_CHECK_FAILED = 1, EXIT_BAD_USAGE = 2, EXIT_NO_DEVICE = 77 };
+
+typedef enum { DTYPE_FP32 = 0, DTYPE_FP16 = 1, DTYPE_BF16 = 2 } attn_dtype;
+#define DTYPE_BIT(t) (1u << (t))
+
+typedef struct {
+  int batch;    /* B */
+  int heads;    /* H */
+  int seq_q;    /* Nq */
+  int seq_kv;   /* Nkv */
+  int head_dim; /* d */
+  int causal;   /* bottom-right aligned: key j visible to query i iff j <= i + Nkv - Nq */
+  float scale;  /* softmax scale, 1/sqrt(d) unless given */
+  attn_dtype dtype;
+} attn_problem;
+
+/* The buffers a stage reads and writes, all owned by the harness. On a GPU stage they are
+ * device pointers; q, k, v, o, d_o, dq, dk, dv hold elements of p->dtype; lse and delta are
+ * always float. The harness fills every output with NaN before the stage runs. */
+typedef struct {
+  const void *q, *k, *v; /* [B,H,Nq,d], [B,H,Nkv,d], [B,H,Nkv,d] */
+  void *o;               /* [B,H,Nq,d] */
+  float *lse;            /* [B,H,Nq], natural log; written from stage 02 on */
+  const void *d_o;       /* [B,H,Nq,d], the backward's incoming gradient */
+  void *dq, *dk, *dv;    /* [B,H,Nq,d], [B,H,Nkv,d], [B,H,Nkv,d] */
+  void *workspace;       /* the bytes the stage asked for through *_workspace() */
+} attn_buffers;
+
+typedef size_t (*attn_workspace_fn)(const attn_problem *p);
+typedef void (*attn_pass_fn)(const attn_problem *p, const attn_buffers *t);
+
+/* Where a stage runs: the host (common/host_device.c) or a CUDA GPU (common/gpu.cu). */
+typedef struct attn_device attn_device;
+
+typedef struct {
+  const char *name;   /* "02_online_softmax" */
+  const char *idea;   /* the idea it adds, in a phrase */
+  const attn_device *device;
+  int head_dims[8];   /* supported head dims, 0-terminated; all zero means any d >= 1 */
+  unsigned dtypes;    /* DTYPE_BIT mask; 0 means fp32 only */
+  int has_causal;     /* 0: --causal is rejected and names the stage that adds it */
+  int saves_lse;      /* 1 from stage 02 on */
+  attn_workspace_fn forward_workspace;
+  attn_pass_fn forward;
+  attn_workspace_fn backward_workspace; /* NULL before stage 06 */
+  attn_pass_fn backward;
+} attn_stage;
+
+int attention_main(const attn_stage *stage, int argc, char **argv);
+
+extern const attn_device attn_host_device; /* common/host_device.c */
+extern const attn_device attn_cuda_device; /* common/gpu.cu (GPU stages only) */
+
+/* ---- shapes and indexing ------------------------------------------------------------ */
+
+static inline size_t attn_q_elems(const attn_problem *p) {
+  return (size_t)p->batch * p->heads * p->seq_q * p->head_dim;
+}
+static inline size_t attn_kv_elems(const attn_problem *p) {
+  return (size_t)p->batch * p->heads * p->seq_kv * p->head_dim;
+}
+static inline size_t attn_lse_elems(const attn_problem *p) {
+  return (size_t)p->batch * p->heads * p->seq_q;
+}
+/* Where head bh (= b * H + h) starts in a query-side or key-side tensor, in elements. */
+static inline size_t attn_q_head(const attn_problem *p, long bh) {
+  return (size_t)bh * p->seq_q * p->head_dim;
+}
+static inline size_t attn_kv_head(const attn_problem *p, long bh) {
+  return (size_t)bh * p->seq_kv * p->head_dim;
+}
+/* The offset of key j's visibility: key j is visible to query i iff j <= i + causal_offset. */
+static inline long attn_causal_offset(const attn_problem *p) {
+  return (long)p->seq_kv - (long)p->seq_q;
+}
+/* Keys visible to query row i: [0, attn_visible_keys(p, i)). */
+static inline int attn_visible_keys(const attn_problem *p, int i) {
+  if (!p->causal) return p->seq_kv;
+  long n = (long)i + attn_causal_offset(p) + 1;
+  return n < 0 ? 0 : (n > p->seq_kv ? p->seq_kv : (int)n);
+}
+double attn_forward_flops(const attn_problem *p);
+double attn_backward_flops(const attn_problem *p);
+size_t attn_dtype_size(attn_dtype t);
+const char *attn_dtype_name(attn_dtype t);
+
+/* ---- the seeded generator (common/problem.c) ----------------------------------------- */
+
+/* SplitMix64 (Steele, Lea, Flood 2014): a 64-bit counter through a fixed mixing function;
+ * normal samples by Box-Muller. The same seed gives the same inputs on every machine. */
+typedef struct {
+  uint64_t state;
+} attn_rng;
+void attn_rng_seed(attn_rng *r, uint64_t seed);
+double attn_rng_uniform(attn_rng *r); /* in (0, 1) */
+double attn_rng_normal(attn_rng *r);  /* standard normal */
+
+/* ---- half precision (common/half.c) --------------------------------------------------- */
+
+/* Round-to-nearest-even conversions, NaN and infinity kept, so that the reference can see
+ * exactly the inputs a half-precision stage sees. */
+uint16_t attn_float_to_half_bits(float x, attn_dtype t);
+float attn_half_bits_to_float(uint16_t h, attn_dtype t);
+float attn_round_to_dtype(float x, attn_dtype t);
+
+/* ---- small utilities ------------------------------------------------------------------ */
+
+/* Print "stage: message" to stderr and exit with `code`. */
+#if defined(__GNUC__)
+__attribute__((noreturn, format(printf, 2, 3)))
+#endif
+void attn_fail(int code, const char *fmt, ...);
+void *attn_host_alloc(size_t bytes, const char *what); /* exits 2 when the host has no room */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* ATTENTION_H */

@@ -1,0 +1,194 @@
+/* The comparisons. Every one is written !(err <= tol), so that a NaN fails. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "check.h"
+#include "reference.h"
+
+extern const char *attn_program_name;
+
+/* Above this many multiply-adds the reference checks a sample of rows, not every row
+ * (about 2 s in double on one core). The tests stay under it: they check every row. */
+#define FULL_CHECK_MAX_MACS 2147483648.0
+/* The least number of rows a sampled check compares (CONVENTIONS.md section 3). */
+enum { MIN_SAMPLED_ROWS = 256 };
+
+typedef struct {
+  double err;
+  long worst; /* element index, -1 if none */
+  double got, want;
+} max_error;
+
+static void track(max_error *m, long idx, double got, double want) {
+  double e = fabs(got - want);
+  if (isnan(m->err)) return; /* a NaN stays the verdict */
+  if (!(e <= m->err)) m->err = e, m->worst = idx, m->got = got, m->want = want;
+}
+
+static double *widen(const float *x, size_t n) {
+  double *y = attn_host_alloc(n * sizeof(double), "reference inputs");
+  for (size_t i = 0; i < n; i++) y[i] = x[i];
+  return y;
+}
+
+static double max_abs(const float *x, size_t n) {
+  double m = 0;
+  for (size_t i = 0; i < n; i++) m = fabs(x[i]) > m ? fabs(x[i]) : m;
+  return m;
+}
+
+/* Prints where the worst element of a [B,H,N,d] (d = 1 for LSE) tensor is. */
+static void report(const attn_check_inputs *in, const char *what, const max_error *m, double tol,
+                   int rows, int d) {
+  long r = m->worst / d, c = m->worst % d;
+  long bh = r / rows, i = r % rows;
+  fprintf(stderr,
+          "%s: %s: max |error| %.3e > tol %.3e at b=%ld h=%ld i=%ld c=%ld: got %.9g, reference "
+          "%.9g (seed %llu)\n",
+          attn_program_name, what, m->err, tol, bh / in->p->heads, bh % in->p->heads, i, c, m->got,
+          m->want, (unsigned long long)in->seed);
+}
+
+/* Every element finite, and LSE = -inf exactly on the rows that see no key. */
+static int all_finite(const attn_check_inputs *in, const char *what, const float *x, size_t n,
+                      int d) {
+  for (size_t e = 0; e < n; e++) {
+    if (isfinite(x[e])) continue;
+    long r = (long)(e / (size_t)d);
+    fprintf(stderr, "%s: %s: element %zu (row %ld) is %g (seed %llu)\n", attn_program_name, what,
+            e, r, x[e], (unsigned long long)in->seed);
+    return 0;
+  }
+  return 1;
+}
+
+static int lse_well_formed(const attn_check_inputs *in, const float *lse) {
+  const attn_problem *p = in->p;
+  for (size_t r = 0; r < attn_lse_elems(p); r++) {
+    int i = (int)(r % (size_t)p->seq_q);
+    int empty = attn_visible_keys(p, i) == 0;
+    int fine = empty ? (isinf(lse[r]) && lse[r] < 0) : isfinite(lse[r]);
+    if (fine) continue;
+    fprintf(stderr, "%s: LSE row %zu is %g, expected %s (seed %llu)\n", attn_program_name, r,
+            lse[r], empty ? "-inf (the row sees no key)" : "a finite value",
+            (unsigned long long)in->seed);
+    return 0;
+  }
+  return 1;
+}
+
+/* The rows to check: all of them, or, on a large problem, rows spread evenly over every
+ * (batch, head) pair, first and last row included, at least MIN_SAMPLED_ROWS in all. */
+static long *choose_rows(const attn_problem *p, long *n_rows) {
+  long heads = (long)p->batch * p->heads, nq = p->seq_q;
+  double macs = (double)heads * nq * p->seq_kv * p->head_dim;
+  long per_head = nq;
+  if (macs > FULL_CHECK_MAX_MACS) {
+    per_head = (MIN_SAMPLED_ROWS + heads - 1) / heads;
+    if (per_head < 2) per_head = 2;
+    if (per_head > nq) per_head = nq;
+  }
+  long *rows = attn_host_alloc(sizeof(long) * (size_t)(heads * per_head), "row list");
+  for (long bh = 0; bh < heads; bh++)
+    for (long t = 0; t < per_head; t++)
+      rows[bh * per_head + t] =
+          bh * nq + (per_head == 1 ? nq - 1 : (long)((double)t * (nq - 1) / (per_head - 1) + 0.5));
+  *n_rows = heads * per_head;
+  if (per_head < nq)
+    printf("%s: checked %ld of %ld rows (sampled evenly in every batch and head)\n",
+           attn_program_name, *n_rows, heads * nq);
+  return rows;
+}
+
+void attn_check_forward(const attn_check_inputs *in, const float *o, const float *lse,
+                        int v_is_constant, int q_is_zero, double *err, double *tol, int *ok) {
+  const attn_problem *p = in->p;
+  int d = p->head_dim;
+  *ok = all_finite(in, "O", o, attn_q_elems(p), d);
+  if (in->saves_lse) *ok &= lse_well_formed(in, lse);
+
+  long n_rows;
+  long *rows = choose_rows(p, &n_rows);
+  double *q = widen(in->q, attn_q_elems(p)), *k = widen(in->k, attn_kv_elems(p));
+  double *v = widen(in->v, attn_kv_elems(p));
+  double *o_ref = attn_host_alloc(sizeof(double) * (size_t)n_rows * d, "reference O");
+  double *lse_ref = attn_host_alloc(sizeof(double) * (size_t)n_rows, "reference LSE");
+  double max_s;
+  reference_forward_rows(p, q, k, v, rows, n_rows, o_ref, lse_ref, &max_s);
+
+  double max_v = max_abs(in->v, attn_kv_elems(p));
+  double o_tol = 2e-6 * fmax(1, max_s) * fmax(1, max_v), lse_tol = 2e-6 * fmax(1, max_s);
+
+  max_error eo = {0, -1, 0, 0}, el = {0, -1, 0, 0}, ea = {0, -1, 0, 0};
+  for (long n = 0; n < n_rows; n++) {
+    long r = rows[n];
+    for (int c = 0; c < d; c++) track(&eo, r * d + c, o[r * d + c], o_ref[n * d + c]);
+    if (in->saves_lse && isfinite(lse_ref[n])) track(&el, r, lse[r], lse_ref[n]);
+  }
+  /* The closed forms, computed from the inputs alone, so that they also test the reference. */
+  int has_closed_form = v_is_constant || q_is_zero || p->seq_kv == 1;
+  for (long n = 0; has_closed_form && n < n_rows; n++) {
+    long r = rows[n], bh = r / p->seq_q;
+    int visible = attn_visible_keys(p, (int)(r % p->seq_q));
+    if (visible == 0) continue;
+    for (int c = 0; c < d; c++) {
+      double want = 0;
+      if (v_is_constant || p->seq_kv == 1) {
+        want = v[(bh * p->seq_kv) * d + c];
+      } else {
+        for (int j = 0; j < visible; j++) want += v[(bh * p->seq_kv + j) * d + c];
+        want /= visible;
+      }
+      track(&ea, r * d + c, o[r * d + c], want);
+    }
+  }
+  if (!(eo.err <= o_tol)) *ok = 0, report(in, "O", &eo, o_tol, p->seq_q, d);
+  if (!(el.err <= lse_tol)) *ok = 0, report(in, "LSE", &el, lse_tol, p->seq_q, 1);
+  if (!(ea.err <= o_tol)) *ok = 0, report(in, "O against its closed form", &ea, o_tol, p->seq_q, d);
+  *err = eo.err, *tol = o_tol;
+  free(rows), free(q), free(k), free(v), free(o_ref), free(lse_ref);
+}
+
+void attn_check_backward(const attn_check_inputs *in, const float *o, const float *lse,
+                         const float *dq, const float *dk, const float *dv, double *err,
+                         double *tol, int *ok) {
+  const attn_problem *p = in->p;
+  (void)o, (void)lse;
+  double macs = 3.0 * p->batch * p->heads * (double)p->seq_q * p->seq_kv * p->head_dim;
+  if (macs > 4 * FULL_CHECK_MAX_MACS)
+    attn_fail(EXIT_BAD_USAGE,
+              "the problem is too large for the float64 backward reference (%.1e multiply-adds, "
+              "limit %.1e); check a smaller one, or use --bench alone",
+              macs, 4 * FULL_CHECK_MAX_MACS);
+  size_t nq = attn_q_elems(p), nkv = attn_kv_elems(p);
+  double *q = widen(in->q, nq), *k = widen(in->k, nkv), *v = widen(in->v, nkv);
+  double *d_o = widen(in->d_o, nq);
+  double *ref[3] = {attn_host_alloc(nq * sizeof(double), "reference dQ"),
+                    attn_host_alloc(nkv * sizeof(double), "reference dK"),
+                    attn_host_alloc(nkv * sizeof(double), "reference dV")};
+  reference_backward(p, q, k, v, d_o, NULL, ref[0], ref[1], ref[2], NULL);
+  /* max|S| over every row, for the tolerance. */
+  double *o_ref = attn_host_alloc(sizeof(double) * nq, "reference O");
+  double *lse_ref = attn_host_alloc(sizeof(double) * attn_lse_elems(p), "reference LSE");
+  double max_s;
+  reference_forward_rows(p, q, k, v, NULL, (long)attn_lse_elems(p), o_ref, lse_ref, &max_s);
+
+  const char *names[3] = {"dQ", "dK", "dV"};
+  const float *got[3] = {dq, dk, dv};
+  size_t counts[3] = {nq, nkv, nkv};
+  int rows[3] = {p->seq_q, p->seq_kv, p->seq_kv};
+  *ok = 1, *err = 0, *tol = 1;
+  for (int g = 0; g < 3; g++) {
+    if (!all_finite(in, names[g], got[g], counts[g], p->head_dim)) *ok = 0;
+    double max_ref = 0;
+    for (size_t e = 0; e < counts[g]; e++) max_ref = fmax(max_ref, fabs(ref[g][e]));
+    double g_tol = 2e-5 * fmax(1, max_s) * fmax(1, max_ref);
+    max_error m = {0, -1, 0, 0};
+    for (size_t e = 0; e < counts[g]; e++) track(&m, (long)e, got[g][e], ref[g][e]);
+    if (!(m.err <= g_tol)) *ok = 0, report(in, names[g], &m, g_tol, rows[g], p->head_dim);
+    if (g == 0 || !(m.err / g_tol <= *err / *tol)) *err = m.err, *tol = g_tol;
+  }
+  free(q), free(k), free(v), free(d_o), free(o_ref), free(lse_ref);
+  for (int g = 0; g < 3; g++) free(ref[g]);
+}

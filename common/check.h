@@ -1,0 +1,32 @@
+/* Checking a stage's outputs (CONVENTIONS.md section 3). */
+#ifndef ATTN_CHECK_H
+#define ATTN_CHECK_H
+
+#include "attention.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+  const attn_problem *p;
+  const float *q, *k, *v, *d_o; /* the inputs exactly as the stage saw them */
+  uint64_t seed;                /* printed with every failure */
+  int saves_lse;
+} attn_check_inputs;
+
+/* Checks O (and LSE when the stage saves it) against the float64 reference, and against
+ * the closed form where the inputs have one (every V row equal: O = V; Q = 0: O = mean of
+ * the visible V; Nkv = 1: O = V_0). Sets *ok; prints every failure with its worst element. */
+void attn_check_forward(const attn_check_inputs *in, const float *o, const float *lse,
+                        int v_is_constant, int q_is_zero, double *err, double *tol, int *ok);
+/* Checks dQ, dK, dV against the float64 reference backward of loss = sum(O * dO). */
+void attn_check_backward(const attn_check_inputs *in, const float *o, const float *lse,
+                         const float *dq, const float *dk, const float *dv, double *err,
+                         double *tol, int *ok);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

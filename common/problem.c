@@ -1,0 +1,61 @@
+/* Small shared pieces: the seeded generator, FLOP counts, dtype names, failing clearly. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "attention.h"
+
+void attn_rng_seed(attn_rng *r, uint64_t seed) { r->state = seed; }
+
+static uint64_t splitmix64_next(attn_rng *r) {
+  uint64_t z = (r->state += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+double attn_rng_uniform(attn_rng *r) {
+  /* 53 random bits, shifted by half a step so that 0 never comes out (log(0) below). */
+  return ((double)(splitmix64_next(r) >> 11) + 0.5) * (1.0 / 9007199254740992.0);
+}
+
+double attn_rng_normal(attn_rng *r) {
+  const double two_pi = 6.283185307179586;
+  double u1 = attn_rng_uniform(r), u2 = attn_rng_uniform(r);
+  return sqrt(-2.0 * log(u1)) * cos(two_pi * u2);
+}
+
+/* FlashAttention's convention: 2 matmuls of 2*Nq*Nkv*d each, halved when causal (Nq = Nkv). */
+double attn_forward_flops(const attn_problem *p) {
+  double f = 4.0 * p->batch * p->heads * (double)p->seq_q * p->seq_kv * p->head_dim;
+  return (p->causal && p->seq_q == p->seq_kv) ? f / 2 : f;
+}
+
+double attn_backward_flops(const attn_problem *p) { return 2.5 * attn_forward_flops(p); }
+
+size_t attn_dtype_size(attn_dtype t) { return t == DTYPE_FP32 ? 4 : 2; }
+
+const char *attn_dtype_name(attn_dtype t) {
+  return t == DTYPE_FP16 ? "fp16" : t == DTYPE_BF16 ? "bf16" : "fp32";
+}
+
+const char *attn_program_name = "attention";
+
+void attn_fail(int code, const char *fmt, ...) {
+  va_list ap;
+  fprintf(stderr, "%s: ", attn_program_name);
+  va_start(ap, fmt);
+  vfprintf(stderr, fmt, ap);
+  va_end(ap);
+  fputc('\n', stderr);
+  exit(code);
+}
+
+void *attn_host_alloc(size_t bytes, const char *what) {
+  void *ptr = malloc(bytes ? bytes : 1);
+  if (!ptr)
+    attn_fail(EXIT_BAD_USAGE, "problem too large for host memory: %s needs %.2f GiB", what,
+              bytes / 1073741824.0);
+  return ptr;
+}

@@ -1,0 +1,598 @@
+/* attention_main(): the life of every stage program, written once.
+ *
+ *   options -> inputs (seeded or --load) -> device buffers, outputs poisoned with NaN
+ *   -> forward (and backward) once -> check against the float64 reference
+ *   -> timing (warm-up, median of repeats) -> one result line, a TSV row, --save
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "device.h"
+#include "npy.h"
+
+extern const char *attn_program_name;
+
+/* The default problem: small enough that stage 00 and the float64 reference finish in a
+ * blink on a laptop, large enough that every stage runs several tiles. */
+enum { DEFAULT_BATCH = 1, DEFAULT_HEADS = 4, DEFAULT_SEQ = 512, DEFAULT_DIM = 64 };
+enum { DEFAULT_SEED = 42 };
+/* No size beyond this: keeps every index product far from overflow. */
+enum { MAX_SIZE = 1 << 24 };
+
+typedef enum { PATTERN_RANDN, PATTERN_CONST_V, PATTERN_ZERO_Q } input_pattern;
+
+typedef struct {
+  attn_problem p;
+  int given_batch, given_heads, given_seq_q, given_seq_kv, given_dim, given_scale;
+  int given_check;
+  uint64_t seed;
+  int check, bench, backward;
+  const char *load_dir, *save_dir, *tsv_path;
+  input_pattern pattern;
+  double input_scale;
+} options;
+
+static void usage(const attn_stage *s) {
+  printf("%s: %s\n\n", s->name, s->idea);
+  printf(
+      "usage: %s [options]\n"
+      "  -b, --batch B      batch size (default %d)\n"
+      "  -H, --heads H      heads (default %d)\n"
+      "  -n, --seq N        sequence length of queries and keys (default %d)\n"
+      "      --seq-q NQ     query length (overrides --seq)\n"
+      "      --seq-kv NKV   key/value length (overrides --seq)\n"
+      "  -d, --dim D        head dim (default %d)\n"
+      "  -c, --causal       causal mask, bottom-right aligned (from stage 05_causal)\n"
+      "      --scale S      softmax scale (default 1/sqrt(d))\n"
+      "      --seed S       seed of the input generator (default %d)\n"
+      "      --dtype T      fp32|fp16|bf16 (stages that have it)\n"
+      "      --check        compare with the float64 reference, exit 1 on a mismatch\n"
+      "                     (on by default unless --bench is given)\n"
+      "      --bench        warm up, repeat, report the median time and TFLOP/s\n"
+      "      --backward     also run and check the backward (from stage 06_backward)\n"
+      "      --load DIR     read q.npy, k.npy, v.npy (do.npy) from DIR; sizes not given\n"
+      "                     are taken from the files\n"
+      "      --save DIR     write the inputs (q, k, v, do.npy) and the outputs (o, lse,\n"
+      "                     dq, dk, dv.npy) into DIR, so that --load DIR reruns the case\n"
+      "      --tsv FILE     append one result row per pass (a header when FILE is new)\n"
+      "      --inputs P     randn (default) | const-v (every V row the same: O = V)\n"
+      "                     | zero-q (Q = 0: O = mean of the visible V rows)\n"
+      "      --input-scale X  multiply Q, K and V by X (large logits)\n"
+      "      --describe     one tab-separated line of what this stage supports\n"
+      "  -h, --help         this text\n"
+      "exit codes: 0 ok, 1 check failed, 2 bad usage or input, 77 no CUDA device\n",
+      s->name, DEFAULT_BATCH, DEFAULT_HEADS, DEFAULT_SEQ, DEFAULT_DIM, DEFAULT_SEED);
+}
+
+/* One machine-readable line for the scripts: name, kind, head dims, dtypes, causal,
+ * backward, idea (tab-separated). */
+static void describe(const attn_stage *s) {
+  printf("%s\t%s\t", s->name, s->device->kind);
+  for (int i = 0; i < 8 && s->head_dims[i]; i++) printf(i ? ",%d" : "%d", s->head_dims[i]);
+  if (!s->head_dims[0]) printf("any");
+  unsigned dtypes = s->dtypes ? s->dtypes : DTYPE_BIT(DTYPE_FP32);
+  const char *sep = "\t";
+  for (int t = DTYPE_FP32; t <= DTYPE_BF16; t++)
+    if (dtypes & DTYPE_BIT(t)) printf("%s%s", sep, attn_dtype_name((attn_dtype)t)), sep = ",";
+  printf("\t%d\t%d\t%s\n", s->has_causal, s->backward != NULL, s->idea);
+}
+
+static long parse_int(const char *opt, const char *text) {
+  char *end;
+  errno = 0;
+  long v = strtol(text, &end, 10);
+  if (errno || end == text || *end || v <= 0 || v > MAX_SIZE)
+    attn_fail(EXIT_BAD_USAGE, "%s must be an integer in 1..%d, got '%s'", opt, MAX_SIZE, text);
+  return v;
+}
+
+static double parse_real(const char *opt, const char *text) {
+  char *end;
+  errno = 0;
+  double v = strtod(text, &end);
+  if (errno || end == text || *end || !isfinite(v))
+    attn_fail(EXIT_BAD_USAGE, "%s must be a finite number, got '%s'", opt, text);
+  return v;
+}
+
+/* Matches "-x", "--long" and "--long=value"; fetches the value when the option takes one. */
+static int match(const char *arg, const char *short_name, const char *long_name, int takes_value,
+                 int argc, char **argv, int *i, const char **value) {
+  size_t n = strlen(long_name);
+  int is_short = short_name && strcmp(arg, short_name) == 0;
+  int is_long = strncmp(arg, long_name, n) == 0 && (arg[n] == 0 || (takes_value && arg[n] == '='));
+  if (!is_short && !is_long) return 0;
+  if (!takes_value) return 1;
+  if (is_long && arg[n] == '=') {
+    *value = arg + n + 1;
+  } else {
+    if (*i + 1 >= argc) attn_fail(EXIT_BAD_USAGE, "%s needs a value (see --help)", arg);
+    *value = argv[++*i];
+  }
+  return 1;
+}
+
+static void parse_options(const attn_stage *s, int argc, char **argv, options *o) {
+  memset(o, 0, sizeof *o);
+  o->p.batch = DEFAULT_BATCH;
+  o->p.heads = DEFAULT_HEADS;
+  o->p.seq_q = o->p.seq_kv = DEFAULT_SEQ;
+  o->p.head_dim = DEFAULT_DIM;
+  o->p.dtype = DTYPE_FP32;
+  o->seed = DEFAULT_SEED;
+  o->input_scale = 1;
+  int seq_given = 0;
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i], *v = NULL;
+    if (match(a, "-h", "--help", 0, argc, argv, &i, &v)) {
+      usage(s);
+      exit(EXIT_OK);
+    } else if (match(a, NULL, "--describe", 0, argc, argv, &i, &v)) {
+      describe(s);
+      exit(EXIT_OK);
+    } else if (match(a, "-b", "--batch", 1, argc, argv, &i, &v)) {
+      o->p.batch = (int)parse_int("--batch", v), o->given_batch = 1;
+    } else if (match(a, "-H", "--heads", 1, argc, argv, &i, &v)) {
+      o->p.heads = (int)parse_int("--heads", v), o->given_heads = 1;
+    } else if (match(a, "-n", "--seq", 1, argc, argv, &i, &v)) {
+      seq_given = (int)parse_int("--seq", v);
+    } else if (match(a, NULL, "--seq-q", 1, argc, argv, &i, &v)) {
+      o->p.seq_q = (int)parse_int("--seq-q", v), o->given_seq_q = 1;
+    } else if (match(a, NULL, "--seq-kv", 1, argc, argv, &i, &v)) {
+      o->p.seq_kv = (int)parse_int("--seq-kv", v), o->given_seq_kv = 1;
+    } else if (match(a, "-d", "--dim", 1, argc, argv, &i, &v)) {
+      o->p.head_dim = (int)parse_int("--dim", v), o->given_dim = 1;
+    } else if (match(a, "-c", "--causal", 0, argc, argv, &i, &v)) {
+      o->p.causal = 1;
+    } else if (match(a, NULL, "--scale", 1, argc, argv, &i, &v)) {
+      o->p.scale = (float)parse_real("--scale", v), o->given_scale = 1;
+    } else if (match(a, NULL, "--seed", 1, argc, argv, &i, &v)) {
+      char *end;
+      errno = 0;
+      o->seed = strtoull(v, &end, 10);
+      if (errno || end == v || *end || v[0] == '-')
+        attn_fail(EXIT_BAD_USAGE, "--seed must be a non-negative integer, got '%s'", v);
+    } else if (match(a, NULL, "--dtype", 1, argc, argv, &i, &v)) {
+      if (strcmp(v, "fp32") == 0) o->p.dtype = DTYPE_FP32;
+      else if (strcmp(v, "fp16") == 0) o->p.dtype = DTYPE_FP16;
+      else if (strcmp(v, "bf16") == 0) o->p.dtype = DTYPE_BF16;
+      else attn_fail(EXIT_BAD_USAGE, "--dtype must be fp32, fp16 or bf16, got '%s'", v);
+    } else if (match(a, NULL, "--check", 0, argc, argv, &i, &v)) {
+      o->check = o->given_check = 1;
+    } else if (match(a, NULL, "--bench", 0, argc, argv, &i, &v)) {
+      o->bench = 1;
+    } else if (match(a, NULL, "--backward", 0, argc, argv, &i, &v)) {
+      o->backward = 1;
+    } else if (match(a, NULL, "--load", 1, argc, argv, &i, &v)) {
+      o->load_dir = v;
+    } else if (match(a, NULL, "--save", 1, argc, argv, &i, &v)) {
+      o->save_dir = v;
+    } else if (match(a, NULL, "--tsv", 1, argc, argv, &i, &v)) {
+      o->tsv_path = v;
+    } else if (match(a, NULL, "--inputs", 1, argc, argv, &i, &v)) {
+      if (strcmp(v, "randn") == 0) o->pattern = PATTERN_RANDN;
+      else if (strcmp(v, "const-v") == 0) o->pattern = PATTERN_CONST_V;
+      else if (strcmp(v, "zero-q") == 0) o->pattern = PATTERN_ZERO_Q;
+      else attn_fail(EXIT_BAD_USAGE, "--inputs must be randn, const-v or zero-q, got '%s'", v);
+    } else if (match(a, NULL, "--input-scale", 1, argc, argv, &i, &v)) {
+      o->input_scale = parse_real("--input-scale", v);
+      if (!(o->input_scale > 0))
+        attn_fail(EXIT_BAD_USAGE, "--input-scale must be positive, got '%s'", v);
+    } else {
+      attn_fail(EXIT_BAD_USAGE, "unknown option '%s' (see --help)", a);
+    }
+  }
+  if (seq_given) {
+    if (!o->given_seq_q) o->p.seq_q = seq_given, o->given_seq_q = 1;
+    if (!o->given_seq_kv) o->p.seq_kv = seq_given, o->given_seq_kv = 1;
+  }
+  if (!o->bench) o->check = 1; /* a plain run always checks */
+}
+
+/* What the stage supports; every refusal names what would work. */
+static void validate_for_stage(const attn_stage *s, const options *o) {
+  const attn_problem *p = &o->p;
+  if (s->head_dims[0]) {
+    int ok = 0;
+    char list[64] = "";
+    for (int i = 0; i < 8 && s->head_dims[i]; i++) {
+      ok |= s->head_dims[i] == p->head_dim;
+      snprintf(list + strlen(list), sizeof list - strlen(list), i ? ", %d" : "%d",
+               s->head_dims[i]);
+    }
+    if (!ok)
+      attn_fail(EXIT_BAD_USAGE,
+                "head dim %d is not supported: this stage compiles its kernels for d in {%s}",
+                p->head_dim, list);
+  }
+  unsigned dtypes = s->dtypes ? s->dtypes : DTYPE_BIT(DTYPE_FP32);
+  if (!(dtypes & DTYPE_BIT(p->dtype)))
+    attn_fail(EXIT_BAD_USAGE, "--dtype %s is not supported by this stage%s",
+              attn_dtype_name(p->dtype),
+              dtypes == DTYPE_BIT(DTYPE_FP32) ? " (fp32 only; 07_tensor_cores adds fp16 and bf16)"
+                                              : "");
+  if (p->causal && !s->has_causal)
+    attn_fail(EXIT_BAD_USAGE,
+              "--causal is not supported by this stage: the causal mask comes in 05_causal");
+  if ((double)p->seq_q * p->head_dim >= 2147483648.0 ||
+      (double)p->seq_kv * p->head_dim >= 2147483648.0)
+    attn_fail(EXIT_BAD_USAGE, "one head is too large: N x d must stay below 2^31 elements");
+  if (o->backward && !s->backward)
+    attn_fail(EXIT_BAD_USAGE,
+              "--backward is not supported by this stage: the backward comes in 06_backward");
+}
+
+/* ---- inputs -------------------------------------------------------------------------- */
+
+typedef struct {
+  float *q, *k, *v, *d_o; /* as the stage sees them: already rounded to its dtype */
+} host_inputs;
+
+static void fill_normal(attn_rng *rng, float *x, size_t n, double scale) {
+  for (size_t i = 0; i < n; i++) x[i] = (float)(scale * attn_rng_normal(rng));
+}
+
+static void make_inputs(const options *o, host_inputs *in) {
+  const attn_problem *p = &o->p;
+  attn_rng rng;
+  attn_rng_seed(&rng, o->seed);
+  fill_normal(&rng, in->q, attn_q_elems(p), o->input_scale);
+  fill_normal(&rng, in->k, attn_kv_elems(p), o->input_scale);
+  fill_normal(&rng, in->v, attn_kv_elems(p), o->input_scale);
+  if (in->d_o) fill_normal(&rng, in->d_o, attn_q_elems(p), 1.0);
+}
+
+static void apply_pattern(const options *o, host_inputs *in) {
+  const attn_problem *p = &o->p;
+  size_t d = (size_t)p->head_dim, nkv = (size_t)p->seq_kv;
+  if (o->pattern == PATTERN_ZERO_Q) memset(in->q, 0, sizeof(float) * attn_q_elems(p));
+  if (o->pattern == PATTERN_CONST_V)
+    for (size_t bh = 0; bh < (size_t)p->batch * p->heads; bh++)
+      for (size_t j = 1; j < nkv; j++)
+        memcpy(in->v + (bh * nkv + j) * d, in->v + bh * nkv * d, sizeof(float) * d);
+}
+
+static void npy_path(char *buf, size_t len, const char *dir, const char *name) {
+  snprintf(buf, len, "%s/%s", dir, name);
+}
+
+/* Sizes not given on the command line come from q.npy [B,H,Nq,d] and k.npy [B,H,Nkv,d]. */
+static void shape_from_files(options *o) {
+  char path[4096], err[512];
+  size_t shape[NPY_MAX_DIMS];
+  int ndim;
+  const char *names[2] = {"q.npy", "k.npy"};
+  for (int f = 0; f < 2; f++) {
+    npy_path(path, sizeof path, o->load_dir, names[f]);
+    if (npy_read_shape(path, shape, &ndim, err, sizeof err)) attn_fail(EXIT_BAD_USAGE, "%s", err);
+    if (ndim != 4)
+      attn_fail(EXIT_BAD_USAGE, "%s: %d dimensions, expected 4 ([B, H, N, d])", path, ndim);
+    for (int i = 0; i < 4; i++)
+      if (shape[i] == 0 || shape[i] > MAX_SIZE)
+        attn_fail(EXIT_BAD_USAGE, "%s: dimension %d is %zu, expected 1..%d", path, i, shape[i],
+                  MAX_SIZE);
+    if (!o->given_batch) o->p.batch = (int)shape[0];
+    if (!o->given_heads) o->p.heads = (int)shape[1];
+    if (!o->given_dim) o->p.head_dim = (int)shape[3];
+    if (f == 0 && !o->given_seq_q) o->p.seq_q = (int)shape[2];
+    if (f == 1 && !o->given_seq_kv) o->p.seq_kv = (int)shape[2];
+  }
+}
+
+static void load_inputs(const options *o, host_inputs *in) {
+  const attn_problem *p = &o->p;
+  size_t q_shape[4] = {(size_t)p->batch, (size_t)p->heads, (size_t)p->seq_q, (size_t)p->head_dim};
+  size_t kv_shape[4] = {q_shape[0], q_shape[1], (size_t)p->seq_kv, q_shape[3]};
+  struct {
+    const char *name;
+    float *dst;
+    const size_t *shape;
+  } files[4] = {{"q.npy", in->q, q_shape}, {"k.npy", in->k, kv_shape},
+                {"v.npy", in->v, kv_shape}, {"do.npy", in->d_o, q_shape}};
+  for (int f = 0; f < 4; f++) {
+    if (!files[f].dst) continue;
+    char path[4096], err[512];
+    npy_path(path, sizeof path, o->load_dir, files[f].name);
+    if (npy_read_f32(path, files[f].shape, 4, files[f].dst, err, sizeof err))
+      attn_fail(EXIT_BAD_USAGE, "%s", err);
+    size_t n = files[f].shape[0] * files[f].shape[1] * files[f].shape[2] * files[f].shape[3];
+    for (size_t i = 0; i < n; i++)
+      if (!isfinite(files[f].dst[i]))
+        attn_fail(EXIT_BAD_USAGE, "%s: element %zu is %g; inputs must be finite", path, i,
+                  files[f].dst[i]);
+  }
+}
+
+static void save_array(const options *o, const char *name, const float *x, const size_t *shape,
+                       int ndim) {
+  char path[4096], err[512];
+  npy_path(path, sizeof path, o->save_dir, name);
+  if (npy_write_f32(path, shape, ndim, x, err, sizeof err)) attn_fail(EXIT_BAD_USAGE, "%s", err);
+}
+
+/* ---- device buffers --------------------------------------------------------------------- */
+
+typedef struct {
+  const attn_device *dev;
+  size_t bytes; /* what this run holds on the device: inputs, outputs, workspace */
+} allocator;
+
+static void *dev_alloc(allocator *a, size_t bytes, const char *what) {
+  a->bytes += bytes;
+  return a->dev->alloc(bytes, what);
+}
+
+/* Uploads float values as the stage's dtype (half-precision stages get 16-bit values). */
+static void *upload_tensor(allocator *a, const float *x, size_t n, attn_dtype t, const char *what) {
+  void *d = dev_alloc(a, n * attn_dtype_size(t), what);
+  if (t == DTYPE_FP32) {
+    a->dev->upload(d, x, n * sizeof(float));
+  } else {
+    uint16_t *h = attn_host_alloc(n * sizeof(uint16_t), what);
+    for (size_t i = 0; i < n; i++) h[i] = attn_float_to_half_bits(x[i], t);
+    a->dev->upload(d, h, n * sizeof(uint16_t));
+    free(h);
+  }
+  return d;
+}
+
+static void download_tensor(const attn_device *dev, float *x, const void *d, size_t n,
+                            attn_dtype t) {
+  if (t == DTYPE_FP32) {
+    dev->download(x, d, n * sizeof(float));
+    return;
+  }
+  uint16_t *h = attn_host_alloc(n * sizeof(uint16_t), "download");
+  dev->download(h, d, n * sizeof(uint16_t));
+  for (size_t i = 0; i < n; i++) x[i] = attn_half_bits_to_float(h[i], t);
+  free(h);
+}
+
+/* ---- timing ------------------------------------------------------------------------------- */
+
+static int compare_double(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return (x > y) - (x < y);
+}
+
+/* Median of `repeats` timed runs after `warmups` untimed ones; each timed run starts from a
+ * cold L2 on the GPU (before_repeat). Only the stage's own launches are inside the timer. */
+static double time_pass(const attn_device *dev, attn_pass_fn fn, const attn_problem *p,
+                        const attn_buffers *t, int warmups, int repeats) {
+  for (int i = 0; i < warmups; i++) {
+    fn(p, t);
+  }
+  double *ms = attn_host_alloc(sizeof(double) * (size_t)repeats, "timings");
+  for (int i = 0; i < repeats; i++) {
+    dev->before_repeat();
+    dev->timer_start();
+    fn(p, t);
+    ms[i] = dev->timer_stop_ms();
+  }
+  qsort(ms, (size_t)repeats, sizeof(double), compare_double);
+  double median = repeats % 2 ? ms[repeats / 2] : 0.5 * (ms[repeats / 2 - 1] + ms[repeats / 2]);
+  free(ms);
+  return median;
+}
+
+/* ---- reporting ------------------------------------------------------------------------------ */
+
+typedef struct {
+  const char *direction; /* "fwd" or "bwd" */
+  double ms, flops, err, tol;
+  int checked, ok;
+  size_t workspace, device_bytes;
+} pass_result;
+
+static long peak_rss_bytes(void) {
+  struct rusage ru;
+  return getrusage(RUSAGE_SELF, &ru) == 0 ? ru.ru_maxrss * 1024L : -1;
+}
+
+static void human_bytes(char *buf, size_t len, double bytes) {
+  const char *unit[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) bytes /= 1024, u++;
+  snprintf(buf, len, u ? "%.1f %s" : "%.0f %s", bytes, unit[u]);
+}
+
+static void print_line(const attn_stage *s, const attn_problem *p, const pass_result *r) {
+  char shape[96], ws[32], rate[32], check[64];
+  if (p->seq_q == p->seq_kv)
+    snprintf(shape, sizeof shape, "B=%d H=%d N=%d d=%d", p->batch, p->heads, p->seq_q,
+             p->head_dim);
+  else
+    snprintf(shape, sizeof shape, "B=%d H=%d Nq=%d Nkv=%d d=%d", p->batch, p->heads, p->seq_q,
+             p->seq_kv, p->head_dim);
+  human_bytes(ws, sizeof ws, (double)r->workspace);
+  double tflops = r->flops / (r->ms * 1e-3) / 1e12;
+  if (tflops >= 1)
+    snprintf(rate, sizeof rate, "%.2f TFLOP/s", tflops);
+  else
+    snprintf(rate, sizeof rate, "%.2f GFLOP/s", tflops * 1e3);
+  if (r->checked)
+    snprintf(check, sizeof check, "max err %.1e (tol %.1e) %s", r->err, r->tol,
+             r->ok ? "ok" : "FAIL");
+  else
+    snprintf(check, sizeof check, "not checked");
+  printf("%-18s %s %-28s %s %-10s | %s | %9.3f ms | %s | workspace %s\n", s->name, r->direction,
+         shape, attn_dtype_name(p->dtype), p->causal ? "causal" : "non-causal", check, r->ms,
+         rate, ws);
+}
+
+static void write_tsv(const char *path, const attn_stage *s, const attn_problem *p,
+                      const attn_stamp *st, const pass_result *r) {
+  FILE *f = fopen(path, "a");
+  if (!f) attn_fail(EXIT_BAD_USAGE, "--tsv %s: %s", path, strerror(errno));
+  if (ftell(f) == 0)
+    fprintf(f,
+            "stage\tdirection\tdtype\tB\tH\tNq\tNkv\td\tcausal\tms\ttflops\tworkspace_bytes\t"
+            "device_bytes\tpeak_rss_bytes\tmax_err\ttol\tcheck\tdevice\tunits\tcuda\tdate\n");
+  fprintf(f, "%s\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%.6g\t%.6g\t%zu\t%zu\t%ld\t%.3g\t%.3g\t%s\t%s\t%d\t%s\t%s\n",
+          s->name, r->direction, attn_dtype_name(p->dtype), p->batch, p->heads, p->seq_q,
+          p->seq_kv, p->head_dim, p->causal, r->ms, r->flops / (r->ms * 1e-3) / 1e12,
+          r->workspace, r->device_bytes, peak_rss_bytes(), r->checked ? r->err : NAN,
+          r->checked ? r->tol : NAN, r->checked ? (r->ok ? "ok" : "fail") : "none", st->device,
+          st->units, st->cuda, st->date);
+  if (fclose(f) != 0) attn_fail(EXIT_BAD_USAGE, "--tsv %s: write failed", path);
+}
+
+/* Refuses, with exit 2, a problem whose host-side arrays cannot fit in physical memory
+ * (Linux would otherwise promise the memory and kill the process later). */
+static void check_host_memory(const attn_stage *s, const options *o) {
+  const attn_problem *p = &o->p;
+  double nq = (double)attn_q_elems(p), nkv = (double)attn_kv_elems(p);
+  double nlse = (double)attn_lse_elems(p), grads = o->backward ? 2 * nq + 2 * nkv : 0;
+  double bytes = 4 * (2 * nq + 2 * nkv + 2 * nlse + 2 * grads); /* inputs, outputs, copies */
+  if (s->device == &attn_host_device) /* the CPU stage's own buffers live here too */
+    bytes += 4 * (2 * nq + 2 * nkv + nlse + grads) +
+             (s->forward_workspace ? (double)s->forward_workspace(p) : 0);
+  if (o->check) bytes += 8 * (2 * nq + 2 * nkv + nlse + grads); /* the float64 reference */
+  double physical = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
+  if (physical > 0 && bytes > physical)
+    attn_fail(EXIT_BAD_USAGE, "problem too large for host memory: needs %.1f GiB, the host has %.1f GiB",
+              bytes / 1073741824.0, physical / 1073741824.0);
+}
+
+/* ---- the program ------------------------------------------------------------------------------ */
+
+int attention_main(const attn_stage *s, int argc, char **argv) {
+  attn_program_name = s->name;
+  options o;
+  parse_options(s, argc, argv, &o);
+  if (o.load_dir) shape_from_files(&o);
+  attn_problem *p = &o.p;
+  if (!o.given_scale) p->scale = (float)(1.0 / sqrt((double)p->head_dim));
+  validate_for_stage(s, &o);
+
+  /* Host inputs, as the stage sees them (rounded to its dtype). */
+  host_inputs in = {0};
+  size_t nq = attn_q_elems(p), nkv = attn_kv_elems(p), nlse = attn_lse_elems(p);
+  check_host_memory(s, &o);
+  in.q = attn_host_alloc(nq * sizeof(float), "Q");
+  in.k = attn_host_alloc(nkv * sizeof(float), "K");
+  in.v = attn_host_alloc(nkv * sizeof(float), "V");
+  if (o.backward) in.d_o = attn_host_alloc(nq * sizeof(float), "dO");
+  if (o.load_dir)
+    load_inputs(&o, &in);
+  else
+    make_inputs(&o, &in);
+  apply_pattern(&o, &in);
+  for (size_t i = 0; i < nq; i++) in.q[i] = attn_round_to_dtype(in.q[i], p->dtype);
+  for (size_t i = 0; i < nkv; i++) in.k[i] = attn_round_to_dtype(in.k[i], p->dtype);
+  for (size_t i = 0; i < nkv; i++) in.v[i] = attn_round_to_dtype(in.v[i], p->dtype);
+  for (size_t i = 0; in.d_o && i < nq; i++) in.d_o[i] = attn_round_to_dtype(in.d_o[i], p->dtype);
+
+  attn_stamp stamp;
+  memset(&stamp, 0, sizeof stamp);
+  time_t now = time(NULL);
+  strftime(stamp.date, sizeof stamp.date, "%Y-%m-%d", gmtime(&now));
+  int rc = s->device->open(&stamp);
+  if (rc != EXIT_OK) return rc;
+
+  /* Device buffers; outputs are poisoned so that an element the stage forgot is a NaN. */
+  allocator a = {s->device, 0};
+  attn_buffers t = {0};
+  t.q = upload_tensor(&a, in.q, nq, p->dtype, "Q");
+  t.k = upload_tensor(&a, in.k, nkv, p->dtype, "K");
+  t.v = upload_tensor(&a, in.v, nkv, p->dtype, "V");
+  t.o = dev_alloc(&a, nq * attn_dtype_size(p->dtype), "O");
+  t.lse = dev_alloc(&a, nlse * sizeof(float), "LSE");
+  size_t fwd_workspace = s->forward_workspace ? s->forward_workspace(p) : 0;
+  size_t bwd_workspace = o.backward && s->backward_workspace ? s->backward_workspace(p) : 0;
+  size_t workspace = fwd_workspace > bwd_workspace ? fwd_workspace : bwd_workspace;
+  t.workspace = workspace ? dev_alloc(&a, workspace, "workspace") : NULL;
+  if (o.backward) {
+    t.d_o = upload_tensor(&a, in.d_o, nq, p->dtype, "dO");
+    t.dq = dev_alloc(&a, nq * attn_dtype_size(p->dtype), "dQ");
+    t.dk = dev_alloc(&a, nkv * attn_dtype_size(p->dtype), "dK");
+    t.dv = dev_alloc(&a, nkv * attn_dtype_size(p->dtype), "dV");
+  }
+  s->device->fill_nan(t.o, nq, p->dtype);
+  s->device->fill_nan(t.lse, nlse, DTYPE_FP32);
+
+  pass_result fwd = {.direction = "fwd", .flops = attn_forward_flops(p), .workspace = fwd_workspace};
+  float *o_host = attn_host_alloc(nq * sizeof(float), "O");
+  float *lse_host = attn_host_alloc(nlse * sizeof(float), "LSE");
+  s->forward(p, &t);
+  download_tensor(s->device, o_host, t.o, nq, p->dtype);
+  s->device->download(lse_host, t.lse, nlse * sizeof(float));
+
+  attn_check_inputs ci = {p, in.q, in.k, in.v, in.d_o, o.seed, s->saves_lse};
+  int failed = 0;
+  if (o.check) {
+    attn_check_forward(&ci, o_host, lse_host, o.pattern == PATTERN_CONST_V,
+                       o.pattern == PATTERN_ZERO_Q, &fwd.err, &fwd.tol, &fwd.ok);
+    fwd.checked = 1;
+    failed |= !fwd.ok;
+  }
+
+  pass_result bwd = {.direction = "bwd", .flops = attn_backward_flops(p), .workspace = bwd_workspace};
+  float *grads[3] = {NULL, NULL, NULL};
+  if (o.backward) {
+    void *dgrad[3] = {t.dq, t.dk, t.dv};
+    size_t counts[3] = {nq, nkv, nkv};
+    for (int g = 0; g < 3; g++) s->device->fill_nan(dgrad[g], counts[g], p->dtype);
+    s->backward(p, &t);
+    for (int g = 0; g < 3; g++) {
+      grads[g] = attn_host_alloc(counts[g] * sizeof(float), "gradient");
+      download_tensor(s->device, grads[g], dgrad[g], counts[g], p->dtype);
+    }
+    if (o.check) {
+      attn_check_backward(&ci, o_host, lse_host, grads[0], grads[1], grads[2], &bwd.err, &bwd.tol,
+                          &bwd.ok);
+      bwd.checked = 1;
+      failed |= !bwd.ok;
+    }
+  }
+
+  int warmups = o.bench ? s->device->bench_warmups : s->device->quick_warmups;
+  int repeats = o.bench ? s->device->bench_repeats : s->device->quick_repeats;
+  fwd.ms = time_pass(s->device, s->forward, p, &t, warmups, repeats);
+  fwd.device_bytes = a.bytes;
+  bwd.device_bytes = a.bytes;
+  if (o.backward) bwd.ms = time_pass(s->device, s->backward, p, &t, warmups, repeats);
+
+  print_line(s, p, &fwd);
+  if (o.backward) print_line(s, p, &bwd);
+  if (o.tsv_path) {
+    write_tsv(o.tsv_path, s, p, &stamp, &fwd);
+    if (o.backward) write_tsv(o.tsv_path, s, p, &stamp, &bwd);
+  }
+  if (o.save_dir) {
+    if (mkdir(o.save_dir, 0777) != 0 && errno != EEXIST)
+      attn_fail(EXIT_BAD_USAGE, "--save %s: %s", o.save_dir, strerror(errno));
+    size_t q_shape[4] = {(size_t)p->batch, (size_t)p->heads, (size_t)p->seq_q, (size_t)p->head_dim};
+    size_t kv_shape[4] = {q_shape[0], q_shape[1], (size_t)p->seq_kv, q_shape[3]};
+    /* The inputs as the stage saw them, so that --load of this folder reruns the case. */
+    save_array(&o, "q.npy", in.q, q_shape, 4);
+    save_array(&o, "k.npy", in.k, kv_shape, 4);
+    save_array(&o, "v.npy", in.v, kv_shape, 4);
+    if (o.backward) save_array(&o, "do.npy", in.d_o, q_shape, 4);
+    save_array(&o, "o.npy", o_host, q_shape, 4);
+    if (s->saves_lse) save_array(&o, "lse.npy", lse_host, q_shape, 3);
+    if (o.backward) {
+      save_array(&o, "dq.npy", grads[0], q_shape, 4);
+      save_array(&o, "dk.npy", grads[1], kv_shape, 4);
+      save_array(&o, "dv.npy", grads[2], kv_shape, 4);
+    }
+  }
+
+  void *device_buffers[] = {(void *)t.q, (void *)t.k, (void *)t.v, t.o, t.lse, t.workspace,
+                            (void *)t.d_o, t.dq, t.dk, t.dv};
+  for (size_t i = 0; i < sizeof device_buffers / sizeof *device_buffers; i++)
+    if (device_buffers[i]) s->device->release(device_buffers[i]);
+  free(in.q), free(in.k), free(in.v), free(in.d_o), free(o_host), free(lse_host);
+  for (int g = 0; g < 3; g++) free(grads[g]);
+  if (failed) fprintf(stderr, "%s: check FAILED (seed %llu)\n", s->name, (unsigned long long)o.seed);
+  return failed ? EXIT_CHECK_FAILED : EXIT_OK;
+}

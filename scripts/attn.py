@@ -1,0 +1,42 @@
+"""Shared helpers of the scripts: finding the stage programs, reading result rows."""
+import csv
+import os
+import re
+import subprocess
+
+STAGES = ["00_naive", "01_cpu_tiled", "02_online_softmax", "03_cuda_forward",
+          "04_shared_memory", "05_causal", "06_backward", "07_tensor_cores"]
+BASELINES = ["cublas_baseline"]
+
+
+class Stage:
+    def __init__(self, path, line):
+        f = line.rstrip("\n").split("\t")
+        self.path, self.name, self.kind = path, f[0], f[1]
+        self.dims = None if f[2] == "any" else [int(x) for x in f[2].split(",")]
+        self.dtypes = f[3].split(",")
+        self.causal, self.backward, self.idea = f[4] == "1", f[5] == "1", f[6]
+
+
+def find_stages(bin_dir, names=STAGES + BASELINES):
+    """The stage programs built in bin_dir, in ladder order, each asked what it supports."""
+    found = []
+    for name in names:
+        path = os.path.join(bin_dir, name)
+        if os.access(path, os.X_OK):
+            out = subprocess.run([path, "--describe"], capture_output=True, text=True, check=True)
+            found.append(Stage(path, out.stdout))
+    return found
+
+
+def read_rows(*paths):
+    rows = []
+    for path in paths:
+        if os.path.exists(path):
+            with open(path, newline="") as f:
+                rows += list(csv.DictReader(f, delimiter="\t"))
+    return rows
+
+
+def slug(text):
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"

@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""The benchmark sweep of CONVENTIONS.md section 5, one stage program run per point.
+
+GPU stages: hidden size 2048 (H = 2048/d), 16384 tokens (B = 16384/N), N = 512..16384,
+d in {64, 128}, causal and not where the stage has a mask, backward where it has one.
+CPU stages: one head, N = 256..8192, d = 64. Rows are appended to <out>/<kind>.tsv.
+Progress (done/total, the current stage and shape, time left) goes to stderr.
+"""
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import attn
+
+GPU_N = [512, 1024, 2048, 4096, 8192, 16384]
+CPU_N = [256, 512, 1024, 2048, 4096, 8192]
+HIDDEN, TOKENS = 2048, 16384
+
+
+def points(stage):
+    if stage.kind == "cpu":
+        for n in CPU_N:
+            yield ["-b", "1", "-H", "1", "-n", str(n), "-d", "64"]
+        return
+    for dtype in stage.dtypes:
+        for d in (64, 128):
+            if stage.dims and d not in stage.dims:
+                continue
+            for causal in ([False, True] if stage.causal else [False]):
+                for n in GPU_N:
+                    args = ["-b", str(TOKENS // n), "-H", str(HIDDEN // d), "-n", str(n),
+                            "-d", str(d), "--dtype", dtype]
+                    if causal:
+                        args.append("--causal")
+                    if stage.backward:
+                        args.append("--backward")
+                    yield args
+
+
+def fmt_time(s):
+    s = int(s)
+    return f"{s // 60}m{s % 60:02d}s"
+
+
+def run(stages, out_dir, log=sys.stderr):
+    os.makedirs(out_dir, exist_ok=True)
+    todo = [(s, a) for s in stages for a in points(s)]
+    t0, failures = time.time(), 0
+    for k, (stage, args) in enumerate(todo):
+        elapsed = time.time() - t0
+        left = elapsed / k * (len(todo) - k) if k else 0
+        print(f"[{k + 1:3d}/{len(todo)}] {stage.name} {' '.join(args)}   "
+              f"elapsed {fmt_time(elapsed)}, about {fmt_time(left)} left", file=log, flush=True)
+        tsv = os.path.join(out_dir, f"{stage.kind}.tsv")
+        r = subprocess.run([stage.path, "--bench", "--tsv", tsv] + args,
+                           capture_output=True, text=True)
+        if r.returncode == 77:
+            print("    skipped: no CUDA device", file=log)
+            return 0
+        if r.returncode != 0:
+            failures += 1
+            print(f"    exit {r.returncode}: {r.stderr.strip()}", file=log)
+    print(f"sweep: {len(todo)} points in {fmt_time(time.time() - t0)}, {failures} failed "
+          f"(rows in {out_dir})", file=log)
+    return failures
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--bin", required=True, help="folder of the stage programs")
+    ap.add_argument("--out", required=True, help="folder for cpu.tsv / gpu.tsv")
+    ap.add_argument("--kind", choices=["cpu", "gpu", "all"], default="all")
+    ap.add_argument("--stages", nargs="*", help="only these stages")
+    a = ap.parse_args()
+    stages = [s for s in attn.find_stages(a.bin)
+              if (a.kind == "all" or s.kind == a.kind) and (not a.stages or s.name in a.stages)]
+    sys.exit(1 if run(stages, a.out) else 0)
+
+
+if __name__ == "__main__":
+    main()
