@@ -1,4 +1,4 @@
-# attention_stage(NAME SOURCE [CAUSAL] [BACKWARD] [DIMS d...] [DTYPES t...])
+# attention_stage(NAME SOURCE [CAUSAL] [BACKWARD] [ANY_DIM] [DIMS d...] [DTYPES t...])
 #
 # Builds one stage program (a .c file runs on the CPU, a .cu file on the GPU) and registers
 # its CTest cases, named "<stage>.<case>" so that `ctest -R 02_` runs one stage, and
@@ -8,6 +8,12 @@
 set(ATTN_CMAKE_DIR ${CMAKE_CURRENT_LIST_DIR})
 set(ATTN_BIN_DIR ${CMAKE_BINARY_DIR}/bin)
 set(ATTN_SKIP_REGEX "no CUDA device")
+if(ATTN_CUDA)
+  find_program(ATTN_COMPUTE_SANITIZER compute-sanitizer HINTS ${CUDAToolkit_BIN_DIR})
+  if(NOT ATTN_COMPUTE_SANITIZER)
+    message(STATUS "compute-sanitizer not found: the GPU sanitizer tests will show as skipped")
+  endif()
+endif()
 
 # Square N, (Nq, Nkv) pairs, the (B, H) list (CONVENTIONS.md section 4).
 set(ATTN_SQUARE_N 1 2 5 17 64 97 113 127 128 129 200 257 1023 1025)
@@ -49,7 +55,7 @@ function(attn_compare_runs stage case kind mode)
 endfunction()
 
 function(attention_stage name source)
-  cmake_parse_arguments(ARG "CAUSAL;BACKWARD" "" "DIMS;DTYPES" ${ARGN})
+  cmake_parse_arguments(ARG "CAUSAL;BACKWARD;ANY_DIM" "" "DIMS;DTYPES" ${ARGN})
   get_filename_component(ext ${source} LAST_EXT)
   if(ext STREQUAL ".cu")
     if(NOT ATTN_CUDA)
@@ -147,6 +153,38 @@ function(attention_stage name source)
     endforeach()
   endforeach()
 
+  # compute-sanitizer memcheck and racecheck on small shapes (label "sanitizer").
+  if(kind STREQUAL "gpu")
+    set(small --check -b 2 -H 3 --seq-q 97 --seq-kv 130 -d 64)
+    set(variants plain)
+    if(ARG_CAUSAL)
+      list(APPEND variants causal)
+    endif()
+    foreach(tool memcheck racecheck)
+      foreach(variant ${variants})
+        set(extra "")
+        if(variant STREQUAL "causal")
+          set(extra --causal --seq-q 130 --seq-kv 97)
+        endif()
+        if(ARG_BACKWARD)
+          list(APPEND extra --backward)
+        endif()
+        set(tname ${name}.sanitizer.${tool}.${variant})
+        if(ATTN_COMPUTE_SANITIZER)
+          add_test(NAME ${tname}
+                   COMMAND ${ATTN_COMPUTE_SANITIZER} --tool ${tool} --error-exitcode 1
+                           $<TARGET_FILE:${name}> ${small} ${extra})
+        else()
+          add_test(NAME ${tname} COMMAND ${CMAKE_COMMAND} -E echo
+                                         "SKIPPED: no CUDA device tools (compute-sanitizer)")
+        endif()
+        set_tests_properties(${tname} PROPERTIES LABELS "gpu;sanitizer" SKIP_RETURN_CODE 77
+                                                 SKIP_REGULAR_EXPRESSION "${ATTN_SKIP_REGEX}"
+                                                 TIMEOUT 900)
+      endforeach()
+    endforeach()
+  endif()
+
   # Save, then load what was saved: the same output bit for bit.
   attn_compare_runs(${name} save_load ${kind} reload --check -b 2 -H 3 --seq-q 97
                     --seq-kv 130 -d ${d0})
@@ -172,7 +210,7 @@ function(attention_stage name source)
   if(NOT ARG_DTYPES)
     attn_expect(${name} bad.dtype_fp16 ${kind} 2 "fp32 only" --dtype fp16)
   endif()
-  if(kind STREQUAL "gpu")
+  if(kind STREQUAL "gpu" AND NOT ARG_ANY_DIM)
     attn_expect(${name} bad.head_dim ${kind} 2 "head dim 40 is not supported" -d 40)
   endif()
   foreach(bad wrong_dtype wrong_shape fortran_order truncated)

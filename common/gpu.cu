@@ -1,0 +1,135 @@
+/* The GPU as the harness's device: buffers, copies, NaN poisoning, CUDA-event timing with
+ * the L2 flushed before each repeat, the device stamp, and exit 77 without a device. */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "device.h"
+#include "gpu.h"
+
+extern "C" const char *attn_program_name;
+
+void attn_cuda_check(cudaError_t err, const char *what, const char *file, int line) {
+  if (err == cudaSuccess) return;
+  int code = err == cudaErrorMemoryAllocation ? EXIT_BAD_USAGE : EXIT_CHECK_FAILED;
+  fprintf(stderr, "%s: CUDA error in %s (%s:%d): %s%s\n", attn_program_name, what, file, line,
+          cudaGetErrorString(err),
+          code == EXIT_BAD_USAGE ? " (the problem is too large for device memory)" : "");
+  exit(code);
+}
+
+void attn_require_shared_memory(const void *kernel, size_t bytes, const char *kernel_name) {
+  int device, optin;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  if (bytes > (size_t)optin)
+    attn_fail(EXIT_BAD_USAGE,
+              "%s needs %zu bytes of shared memory per block, this device allows %d; use a "
+              "smaller head dim or tile",
+              kernel_name, bytes, optin);
+  /* Above 48 KiB a kernel must opt in explicitly. */
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+}
+
+static cudaEvent_t timer_begin, timer_end;
+static void *l2_flush_buffer;
+static size_t l2_flush_bytes;
+
+static int gpu_open(attn_stamp *stamp) {
+  int count = 0;
+  cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess || count == 0) {
+    fprintf(stderr, "%s: no CUDA device (%s)\n", attn_program_name,
+            err != cudaSuccess ? cudaGetErrorString(err) : "none found");
+    return EXIT_NO_DEVICE;
+  }
+  cudaDeviceProp prop;
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  snprintf(stamp->device, sizeof stamp->device, "%.127s", prop.name);
+  stamp->units = prop.multiProcessorCount;
+  int runtime;
+  CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
+  snprintf(stamp->cuda, sizeof stamp->cuda, "%d.%d", runtime / 1000, runtime % 1000 / 10);
+  CUDA_CHECK(cudaEventCreate(&timer_begin));
+  CUDA_CHECK(cudaEventCreate(&timer_end));
+  /* Writing twice the L2's size evicts whatever a previous repeat left there. */
+  l2_flush_bytes = 2 * (size_t)prop.l2CacheSize;
+  CUDA_CHECK(cudaMalloc(&l2_flush_buffer, l2_flush_bytes));
+  return EXIT_OK;
+}
+
+static void *gpu_alloc(size_t bytes, const char *what) {
+  void *ptr = NULL;
+  cudaError_t err = cudaMalloc(&ptr, bytes ? bytes : 1);
+  if (err != cudaSuccess) {
+    size_t free_bytes = 0, total = 0;
+    cudaGetLastError(); /* clear the error before asking */
+    cudaMemGetInfo(&free_bytes, &total);
+    attn_fail(EXIT_BAD_USAGE,
+              "problem too large for device memory: %s needs %.2f GiB, %.2f GiB free of %.2f",
+              what, bytes / 1073741824.0, free_bytes / 1073741824.0, total / 1073741824.0);
+  }
+  return ptr;
+}
+
+static void gpu_release(void *ptr) { CUDA_CHECK(cudaFree(ptr)); }
+static void gpu_upload(void *dst, const void *src, size_t bytes) {
+  CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+}
+static void gpu_download(void *dst, const void *src, size_t bytes) {
+  CUDA_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+}
+
+/* cudaMemset sets bytes, not floats, so NaN is written by a kernel, in the element's type. */
+template <typename T>
+__global__ void fill_nan_kernel(T *x, size_t n, T nan) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x)
+    x[i] = nan;
+}
+
+static void gpu_fill_nan(void *dst, size_t count, attn_dtype t) {
+  const int threads = 256, blocks = 1024; /* a grid-stride loop: any count */
+  if (t == DTYPE_FP32)
+    fill_nan_kernel<float><<<blocks, threads>>>((float *)dst, count, nanf(""));
+  else
+    fill_nan_kernel<unsigned short><<<blocks, threads>>>(
+        (unsigned short *)dst, count, (unsigned short)(t == DTYPE_FP16 ? 0x7e00 : 0x7fc0));
+  CHECK_LAUNCH("fill_nan_kernel");
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+static void gpu_before_repeat(void) {
+  CUDA_CHECK(cudaMemsetAsync(l2_flush_buffer, 0, l2_flush_bytes));
+}
+
+static void gpu_timer_start(void) { CUDA_CHECK(cudaEventRecord(timer_begin)); }
+
+static double gpu_timer_stop_ms(void) {
+  CUDA_CHECK(cudaEventRecord(timer_end));
+  CUDA_CHECK(cudaEventSynchronize(timer_end));
+  CUDA_CHECK(cudaGetLastError()); /* a fault inside the timed kernels shows here */
+  float ms;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, timer_begin, timer_end));
+  return ms;
+}
+
+extern "C" const attn_device attn_cuda_device = {
+    "gpu",
+    gpu_open,
+    gpu_alloc,
+    gpu_release,
+    gpu_upload,
+    gpu_download,
+    gpu_fill_nan,
+    gpu_before_repeat,
+    gpu_timer_start,
+    gpu_timer_stop_ms,
+    /* quick_warmups, quick_repeats, bench_warmups, bench_repeats (CONVENTIONS.md 5) */
+    5,
+    20,
+    5,
+    20,
+};

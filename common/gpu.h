@@ -1,0 +1,22 @@
+/* What a GPU stage needs from the harness: checked CUDA calls and launches, and the
+ * shared-memory check against the device's opt-in limit. */
+#ifndef ATTN_GPU_H
+#define ATTN_GPU_H
+
+#include <cuda_runtime.h>
+
+#include "attention.h"
+
+/* Exits with a clear line when a CUDA call fails: 2 for out of memory (the problem is too
+ * large), 1 for anything else (a broken kernel is a failed run). */
+void attn_cuda_check(cudaError_t err, const char *what, const char *file, int line);
+#define CUDA_CHECK(call) attn_cuda_check((call), #call, __FILE__, __LINE__)
+/* After every launch: a bad configuration shows at once, a fault in the kernel at the next
+ * synchronising call, which the harness makes after every timed run. */
+#define CHECK_LAUNCH(kernel_name) attn_cuda_check(cudaGetLastError(), kernel_name, __FILE__, __LINE__)
+
+/* Allows `kernel` `bytes` of dynamic shared memory, or exits 2 naming the limit when the
+ * device cannot give that much to one block. */
+void attn_require_shared_memory(const void *kernel, size_t bytes, const char *kernel_name);
+
+#endif
