@@ -94,13 +94,19 @@ template <int D>
 __global__ void __launch_bounds__(Br)
     flash_forward_kernel(const float *__restrict__ q, const float *__restrict__ k,
                          const float *__restrict__ v, float *__restrict__ o,
-                         float *__restrict__ lse, int nq, int nkv, float scale, int causal) {
+                         float *__restrict__ lse, int nq, int nkv, int heads, float scale,
+                         int causal) {
   extern __shared__ float4 smem[]; /* float4: the tiles are read and written as float4 */
   float *Ks = reinterpret_cast<float *>(smem), *Vs = Ks + Bc * D;
-  long bh = blockIdx.y;
-  /* Causal blocks near the bottom have the most tiles: start them first, so that the light
-   * blocks fill in the tail of the grid. */
-  int i0 = (causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * Br;
+  /* Causal blocks have unequal work: row block r runs about r + 1 tiles' worth. Ordered by
+   * row block across all heads, every head's heaviest block starts first and the light ones
+   * fill the tail (measured at N = 4096, d = 64: ordered per head, the heavy blocks of the
+   * last heads started last and causal was only 1.57x faster than non-causal; ordered
+   * across heads, 1.92x). Non-causal blocks are equal, so a head's blocks stay adjacent and
+   * share its K and V in L2 (ordered across heads instead: 6.5% slower). */
+  int row_blocks = (nq + Br - 1) / Br;
+  long bh = causal ? blockIdx.x % heads : blockIdx.x / row_blocks;
+  int i0 = (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) * Br;
   int i = i0 + threadIdx.x; /* this thread's query row */
   /* A thread past the last row still helps load tiles and meets every barrier. */
   bool has_row = i < nq;
@@ -130,12 +136,13 @@ __global__ void __launch_bounds__(Br)
 
 template <int D>
 static void launch(const attn_problem *p, const attn_buffers *t) {
-  dim3 grid((p->seq_q + Br - 1) / Br, p->batch * p->heads);
+  int heads = p->batch * p->heads;
+  dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
   attn_require_shared_memory((const void *)flash_forward_kernel<D>, tile_bytes(D),
                              "flash_forward_kernel");
   flash_forward_kernel<D><<<grid, Br, tile_bytes(D)>>>((const float *)t->q, (const float *)t->k,
                                         (const float *)t->v, (float *)t->o, t->lse, p->seq_q,
-                                        p->seq_kv, p->scale, p->causal);
+                                        p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_forward_kernel");
 }
 

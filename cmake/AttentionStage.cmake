@@ -143,6 +143,17 @@ function(attention_stage name source)
                 --inputs zero-q)
       attn_test(${name} hard.nkv1${m}${t} ${kind} ${common_args} ${c} ${bwd} --seq-q 97
                 --seq-kv 1 -d 64)
+      if(ARG_BACKWARD)
+        # The shapes that once overflowed FlashAttention's own backward to NaN.
+        foreach(n 1 2 5 17 128)
+          foreach(d 32 64)
+            foreach(x 3 5)
+              attn_test(${name} overflow.N${n}.d${d}.x${x}${m}${t} ${kind} ${common_args} ${c}
+                        ${bwd} -n ${n} -d ${d} --input-scale ${x})
+            endforeach()
+          endforeach()
+        endforeach()
+      endif()
       if(kind STREQUAL "gpu")
         # More (batch, head) pairs than 4 x the SMs of an H100 (132) or an A100 (108).
         attn_test(${name} heads.many${m}${t} ${kind} ${common_args} ${c} ${bwd} -b 8 -H 72

@@ -112,12 +112,12 @@ def draw(result_dirs, out_dir):
                     [(s, [(int(r["Nq"]), float(r["tflops"])) for r in g])
                      for s, g in sorted(groups.items())], stamp(sel), logy=True))
         sel = [r for r in gpu if r["direction"] == "fwd" and r["d"] == "64" and r["causal"] == "0"
-               and r["dtype"] in ("fp32", "fp16")]
+               and r["dtype"] in ("fp32", "fp16") and r["B"] == "1" and r["H"] == "32"]
         if direction == "fwd" and sel:
             groups = by_stage(sel)
             scripts.append(gnuplot_file(
                 os.path.join(out_dir, "gpu_memory.png"),
-                "GPU device memory, forward, d = 64 (H = 32, B = 16384/N)",
+                "GPU device memory, forward, d = 64 (B = 1, H = 32)",
                 "N (sequence length)", "device bytes (inputs, outputs, workspace)",
                 [(s, [(int(r["Nq"]), int(r["device_bytes"])) for r in g])
                  for s, g in sorted(groups.items())], stamp(sel)))

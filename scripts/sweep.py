@@ -37,6 +37,12 @@ def points(stage):
                     if stage.backward:
                         args.append("--backward")
                     yield args
+    # Device memory against N at a fixed batch (with B = 16384/N the inputs are constant):
+    # one forward per point, d = 64, H = 32, B = 1.
+    if "fp32" in stage.dtypes or stage.dtypes == ["fp16", "bf16"]:
+        for n in GPU_N:
+            yield ["-b", "1", "-H", str(HIDDEN // 64), "-n", str(n), "-d", "64",
+                   "--dtype", stage.dtypes[0]]
 
 
 def fmt_time(s):

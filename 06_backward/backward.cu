@@ -1,0 +1,361 @@
+/* Stage 06: the backward pass, recomputing P from the saved LSE.
+ *
+ * The forward is stage 05's and already saves LSE = m + log l. The backward never stores
+ * P: it recomputes P_ij = exp(S_ij - LSE_i) tile by tile from Q, K and LSE. Three kernels:
+ *   compute_delta_kernel         D_i = rowsum(dO_i * O_i)   (= rowsum(dP_i * P_i))
+ *   flash_backward_dkdv_kernel   one thread per key j, walking the query tiles:
+ *                                dV_j += P_ij dO_i,  dS_ij = P_ij (dO_i . V_j - D_i),
+ *                                dK_j += scale dS_ij Q_i      (dK, dV in registers)
+ *   flash_backward_dq_kernel     one thread per query i, walking the key tiles like the
+ *                                forward: dQ_i += scale dS_ij K_j  (dQ in registers)
+ * dQ gets its own pass instead of atomics from the dK/dV kernel: it recomputes S and dP
+ * once more (7 d instead of 5 d multiply-adds per (i, j)), and in exchange every gradient
+ * is written by exactly one thread, so the backward is deterministic.
+ */
+#include <math.h>
+
+#include "attention.h"
+#include "gpu.h"
+
+/* Query rows (threads) per block: 128 threads = 4 warps, enough blocks per SM to hide the
+ * latency of the global loads at every N of the sweep. */
+constexpr int Br = 128;
+/* Keys per tile: a tile's Bc scores are a register array per thread, so Bc is small;
+ * 32 scores plus q and acc fit the register file at d = 64. The K and V tiles take
+ * 2 x 32 x d floats of shared memory: 32 KiB at d = 128, under the 48 KiB default. */
+constexpr int Bc = 32;
+
+/* Shared memory for one K tile and one V tile. */
+static size_t tile_bytes(int d) { return 2 * sizeof(float) * Bc * (size_t)d; }
+
+/* The whole block copies rows [j0, j0 + cols) of K and V into Ks, Vs: consecutive threads
+ * take consecutive float4s, so each warp reads 512 contiguous bytes. */
+template <int D>
+__device__ void load_kv_tile(const float *K, const float *V, int cols, float *Ks, float *Vs) {
+  const float4 *K4 = reinterpret_cast<const float4 *>(K);
+  const float4 *V4 = reinterpret_cast<const float4 *>(V);
+  for (int e = threadIdx.x; e < cols * D / 4; e += Br) {
+    reinterpret_cast<float4 *>(Ks)[e] = K4[e];
+    reinterpret_cast<float4 *>(Vs)[e] = V4[e];
+  }
+}
+
+/* s[j] = scale q . k_j for the tile's keys; m_blk = their max. Every thread of a warp reads
+ * the same K row at the same time, so each shared-memory load is one broadcast. */
+template <int D>
+__device__ void compute_qk_scores_and_max(const float *q, const float *K, int cols, float scale,
+                                          float *s, float &m_blk) {
+  m_blk = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < Bc; j++) {
+    if (j < cols) {
+      float dot = 0.f;
+#pragma unroll
+      for (int c = 0; c < D; c++) dot += q[c] * K[j * D + c];
+      s[j] = scale * dot;
+      m_blk = fmaxf(m_blk, s[j]);
+    }
+  }
+}
+
+/* m' = max(m, m_blk); what was summed under exp(-m) is rescaled by exp(m - m'). */
+template <int D>
+__device__ void merge_block_stats(float m_blk, float &m, float &l, float *acc) {
+  float m_new = fmaxf(m, m_blk);
+  /* While a row has seen no key m' is still -inf, and exp(-inf - -inf) would be NaN; there
+   * is nothing to rescale then (l = 0, acc = 0). Otherwise 0 on the first visible tile. */
+  float correction = m_new == -INFINITY ? 1.f : expf(m - m_new);
+  l *= correction;
+#pragma unroll
+  for (int c = 0; c < D; c++) acc[c] *= correction;
+  m = m_new;
+}
+
+/* p_j = exp(s_j - m); l += sum p_j; acc += sum p_j v_j. */
+template <int D>
+__device__ void compute_block_softmax_and_weighted_v(const float *s, const float *V, int cols,
+                                                     float m, float &l, float *acc) {
+#pragma unroll
+  for (int j = 0; j < Bc; j++) {
+    if (j < cols) {
+      float prob = expf(s[j] - m);
+      l += prob;
+#pragma unroll
+      for (int c = 0; c < D; c++) acc[c] += prob * V[j * D + c];
+    }
+  }
+}
+
+/* O = acc / l, LSE = m + log l; a row that saw no key: O = 0, LSE = -inf. */
+template <int D>
+__device__ void normalize_output(const float *acc, float m, float l, float *O, float *LSE) {
+  float inv_l = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+  for (int c = 0; c < D; c++) O[c] = acc[c] * inv_l;
+  *LSE = l > 0.f ? m + logf(l) : -INFINITY;
+}
+
+template <int D>
+__global__ void __launch_bounds__(Br)
+    flash_forward_kernel(const float *__restrict__ q, const float *__restrict__ k,
+                         const float *__restrict__ v, float *__restrict__ o,
+                         float *__restrict__ lse, int nq, int nkv, int heads, float scale,
+                         int causal) {
+  extern __shared__ float4 smem[]; /* float4: the tiles are read and written as float4 */
+  float *Ks = reinterpret_cast<float *>(smem), *Vs = Ks + Bc * D;
+  /* Causal blocks have unequal work: row block r runs about r + 1 tiles' worth. Ordered by
+   * row block across all heads, every head's heaviest block starts first and the light ones
+   * fill the tail (measured at N = 4096, d = 64: ordered per head, the heavy blocks of the
+   * last heads started last and causal was only 1.57x faster than non-causal; ordered
+   * across heads, 1.92x). Non-causal blocks are equal, so a head's blocks stay adjacent and
+   * share its K and V in L2 (ordered across heads instead: 6.5% slower). */
+  int row_blocks = (nq + Br - 1) / Br;
+  long bh = causal ? blockIdx.x % heads : blockIdx.x / row_blocks;
+  int i0 = (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) * Br;
+  int i = i0 + threadIdx.x; /* this thread's query row */
+  /* A thread past the last row still helps load tiles and meets every barrier. */
+  bool has_row = i < nq;
+  const float *K = k + bh * nkv * D, *V = v + bh * nkv * D;
+  float q_row[D], acc[D], s[Bc];
+  float m = -INFINITY, l = 0.f, m_blk;
+#pragma unroll
+  for (int c = 0; c < D; c++) q_row[c] = has_row ? q[(bh * nq + i) * D + c] : 0.f, acc[c] = 0.f;
+  /* Keys [0, kv_end) are visible to some row of the block: the last row sees the most. */
+  int offset = nkv - nq, last_row = min(i0 + Br, nq) - 1;
+  int kv_end = causal ? max(0, min(nkv, last_row + offset + 1)) : nkv;
+  for (int j0 = 0; j0 < kv_end; j0 += Bc) {
+    int cols = min(Bc, nkv - j0);
+    /* A tile past the first row's limit crosses the diagonal: each row keeps the columns it
+     * sees, [j0, i + offset], which may be none. */
+    bool diagonal = causal && j0 + cols - 1 > i0 + offset;
+    int row_cols = diagonal ? max(0, min(cols, i + offset + 1 - j0)) : cols;
+    load_kv_tile<D>(K + (long)j0 * D, V + (long)j0 * D, cols, Ks, Vs);
+    __syncthreads(); /* RAW: the whole tile is in shared memory before any row reads it */
+    compute_qk_scores_and_max<D>(q_row, Ks, row_cols, scale, s, m_blk);
+    merge_block_stats<D>(m_blk, m, l, acc);
+    compute_block_softmax_and_weighted_v<D>(s, Vs, row_cols, m, l, acc);
+    __syncthreads(); /* WAR: every row is done with the tile before the next load overwrites it */
+  }
+  if (has_row) normalize_output<D>(acc, m, l, o + (bh * nq + i) * D, lse + bh * nq + i);
+}
+
+template <int D>
+static void launch(const attn_problem *p, const attn_buffers *t) {
+  int heads = p->batch * p->heads;
+  dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
+  attn_require_shared_memory((const void *)flash_forward_kernel<D>, tile_bytes(D),
+                             "flash_forward_kernel");
+  flash_forward_kernel<D><<<grid, Br, tile_bytes(D)>>>((const float *)t->q, (const float *)t->k,
+                                        (const float *)t->v, (float *)t->o, t->lse, p->seq_q,
+                                        p->seq_kv, heads, p->scale, p->causal);
+  CHECK_LAUNCH("flash_forward_kernel");
+}
+
+static void forward(const attn_problem *p, const attn_buffers *t) {
+  switch (p->head_dim) {
+    case 32: launch<32>(p, t); break;
+    case 64: launch<64>(p, t); break;
+    case 128: launch<128>(p, t); break;
+  }
+}
+
+/* ---- the backward ------------------------------------------------------------------ */
+
+/* Keys per dK/dV block (one thread each): 128 threads = 4 warps; with dK and dV (2d floats)
+ * in registers, about two such blocks fit an SM. */
+constexpr int Bc_bwd = 128;
+/* Query rows per tile of the dK/dV kernel: Q and dO tiles of 16 rows are read as
+ * broadcasts by every thread; 16 keeps the block's shared memory (the transposed K and V
+ * tiles plus these) at 144 KiB for d = 128, under the 227 KiB opt-in limit. */
+constexpr int Br_bwd = 16;
+
+static size_t backward_workspace(const attn_problem *p) { return sizeof(float) * attn_lse_elems(p); }
+
+/* Shared memory of the dK/dV kernel: K^T and V^T (d x Bc_bwd), Q and dO tiles (Br_bwd x d),
+ * LSE and D of the tile's rows. */
+static size_t dkdv_bytes(int d) {
+  return sizeof(float) * (2 * (size_t)Bc_bwd * d + 2 * (size_t)Br_bwd * d + 2 * Br_bwd);
+}
+
+/* D_i = sum_c dO_ic O_ic, one thread per row. (It equals sum_j dP_ij P_ij: the backward of
+ * the softmax needs exactly this dot product, and O = P V makes it a d-term sum.) */
+__global__ void compute_delta_kernel(const float *o, const float *d_o, float *delta, long rows,
+                                     int d) {
+  long r = blockIdx.x * (long)blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  float sum = 0.f;
+  for (int c = 0; c < d; c++) sum += d_o[r * d + c] * o[r * d + c];
+  delta[r] = sum;
+}
+
+/* One thread per key j of the block's Bc_bwd keys. K and V are stored transposed in shared
+ * memory (Kt[c][j]), so that the 32 threads of a warp read 32 consecutive words: no bank
+ * conflicts. Q and dO rows are read by all threads at once: broadcasts. */
+template <int D>
+__global__ void __launch_bounds__(Bc_bwd)
+    flash_backward_dkdv_kernel(const float *__restrict__ q, const float *__restrict__ k,
+                               const float *__restrict__ v, const float *__restrict__ d_o,
+                               const float *__restrict__ lse, const float *__restrict__ delta,
+                               float *__restrict__ dk, float *__restrict__ dv, int nq, int nkv,
+                               int heads, float scale, int causal) {
+  extern __shared__ float4 smem_bwd[];
+  float *Kt = reinterpret_cast<float *>(smem_bwd), *Vt = Kt + D * Bc_bwd;
+  float *Qs = Vt + D * Bc_bwd, *dOs = Qs + Br_bwd * D;
+  float *lse_s = dOs + Br_bwd * D, *delta_s = lse_s + Br_bwd;
+  int key_blocks = (nkv + Bc_bwd - 1) / Bc_bwd;
+  long bh = blockIdx.x / key_blocks;
+  int j0 = (int)(blockIdx.x % key_blocks) * Bc_bwd, j = j0 + threadIdx.x;
+  int cols = min(Bc_bwd, nkv - j0), offset = nkv - nq;
+  const float *K = k + (bh * nkv + j0) * D, *V = v + (bh * nkv + j0) * D;
+  /* Coalesced reads of the K and V rows, written transposed. */
+  for (int e = threadIdx.x; e < Bc_bwd * D; e += Bc_bwd) {
+    int row = e / D, c = e % D;
+    Kt[c * Bc_bwd + row] = row < cols ? K[e] : 0.f;
+    Vt[c * Bc_bwd + row] = row < cols ? V[e] : 0.f;
+  }
+  float dk_acc[D], dv_acc[D];
+#pragma unroll
+  for (int c = 0; c < D; c++) dk_acc[c] = 0.f, dv_acc[c] = 0.f;
+  /* Under the causal mask the first query that sees key j0 is j0 - offset: the query tiles
+   * before it are skipped. */
+  int i_begin = causal ? max(0, j0 - offset) : 0;
+  for (int i0 = i_begin; i0 < nq; i0 += Br_bwd) {
+    int rows = min(Br_bwd, nq - i0);
+    __syncthreads(); /* WAR: every thread is done with the previous Q/dO tile (and, the first
+                      * time, the K/V transpose is complete before anyone reads it) */
+    for (int e = threadIdx.x; e < rows * D; e += Bc_bwd) {
+      Qs[e] = q[(bh * nq + i0) * D + e];
+      dOs[e] = d_o[(bh * nq + i0) * D + e];
+    }
+    if (threadIdx.x < rows) {
+      lse_s[threadIdx.x] = lse[bh * nq + i0 + threadIdx.x];
+      delta_s[threadIdx.x] = delta[bh * nq + i0 + threadIdx.x];
+    }
+    __syncthreads(); /* RAW: the Q/dO tile, LSE and D are in shared memory before use */
+    for (int r = 0; r < rows; r++) {
+      bool visible = j < nkv && (!causal || j <= i0 + r + offset);
+      float s = 0.f, dp = 0.f;
+#pragma unroll
+      for (int c = 0; c < D; c++) s += Qs[r * D + c] * Kt[c * Bc_bwd + threadIdx.x];
+      /* P from the saved LSE; a masked entry is 0 (and exp is never asked for it, so a row
+       * that sees no key, LSE = -inf, cannot make a NaN). */
+      float prob = visible ? expf(scale * s - lse_s[r]) : 0.f;
+#pragma unroll
+      for (int c = 0; c < D; c++) {
+        dv_acc[c] += prob * dOs[r * D + c];
+        dp += dOs[r * D + c] * Vt[c * Bc_bwd + threadIdx.x];
+      }
+      float ds = prob * (dp - delta_s[r]);
+#pragma unroll
+      for (int c = 0; c < D; c++) dk_acc[c] += ds * Qs[r * D + c];
+    }
+  }
+  if (j < nkv) {
+#pragma unroll
+    for (int c = 0; c < D; c++) {
+      dk[(bh * nkv + j) * D + c] = scale * dk_acc[c];
+      dv[(bh * nkv + j) * D + c] = dv_acc[c];
+    }
+  }
+}
+
+/* One thread per query row, the forward's grid and K/V tiles: dQ_i = scale sum_j dS_ij K_j
+ * with dS_ij = P_ij (dO_i . V_j - D_i) recomputed key by key. */
+template <int D>
+__global__ void __launch_bounds__(Br)
+    flash_backward_dq_kernel(const float *__restrict__ q, const float *__restrict__ k,
+                             const float *__restrict__ v, const float *__restrict__ d_o,
+                             const float *__restrict__ lse, const float *__restrict__ delta,
+                             float *__restrict__ dq, int nq, int nkv, int heads, float scale,
+                             int causal) {
+  extern __shared__ float4 smem[];
+  float *Ks = reinterpret_cast<float *>(smem), *Vs = Ks + Bc * D;
+  int row_blocks = (nq + Br - 1) / Br;
+  long bh = causal ? blockIdx.x % heads : blockIdx.x / row_blocks;
+  int i0 = (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) * Br;
+  int i = i0 + threadIdx.x;
+  bool has_row = i < nq;
+  const float *K = k + bh * nkv * D, *V = v + bh * nkv * D;
+  float q_row[D], do_row[D], dq_acc[D];
+#pragma unroll
+  for (int c = 0; c < D; c++) {
+    q_row[c] = has_row ? q[(bh * nq + i) * D + c] : 0.f;
+    do_row[c] = has_row ? d_o[(bh * nq + i) * D + c] : 0.f;
+    dq_acc[c] = 0.f;
+  }
+  float lse_i = has_row ? lse[bh * nq + i] : 0.f, delta_i = has_row ? delta[bh * nq + i] : 0.f;
+  int offset = nkv - nq, last_row = min(i0 + Br, nq) - 1;
+  int kv_end = causal ? max(0, min(nkv, last_row + offset + 1)) : nkv;
+  for (int j0 = 0; j0 < kv_end; j0 += Bc) {
+    int cols = min(Bc, nkv - j0);
+    int row_cols = causal ? max(0, min(cols, i + offset + 1 - j0)) : cols;
+    load_kv_tile<D>(K + (long)j0 * D, V + (long)j0 * D, cols, Ks, Vs);
+    __syncthreads(); /* RAW: the whole tile is in shared memory before any row reads it */
+    for (int j = 0; j < row_cols; j++) {
+      float s = 0.f, dp = 0.f;
+#pragma unroll
+      for (int c = 0; c < D; c++) {
+        s += q_row[c] * Ks[j * D + c];
+        dp += do_row[c] * Vs[j * D + c];
+      }
+      float ds = expf(scale * s - lse_i) * (dp - delta_i);
+#pragma unroll
+      for (int c = 0; c < D; c++) dq_acc[c] += ds * Ks[j * D + c];
+    }
+    __syncthreads(); /* WAR: every row is done with the tile before the next load overwrites it */
+  }
+  if (has_row) {
+#pragma unroll
+    for (int c = 0; c < D; c++) dq[(bh * nq + i) * D + c] = scale * dq_acc[c];
+  }
+}
+
+template <int D>
+static void launch_backward(const attn_problem *p, const attn_buffers *t) {
+  int heads = p->batch * p->heads;
+  long rows = (long)heads * p->seq_q;
+  float *delta = (float *)t->workspace;
+  const int delta_threads = 256; /* a memory-bound pass: any full-warp count will do */
+  compute_delta_kernel<<<(unsigned)((rows + delta_threads - 1) / delta_threads), delta_threads>>>(
+      (const float *)t->o, (const float *)t->d_o, delta, rows, D);
+  CHECK_LAUNCH("compute_delta_kernel");
+  attn_require_shared_memory((const void *)flash_backward_dkdv_kernel<D>, dkdv_bytes(D),
+                             "flash_backward_dkdv_kernel");
+  unsigned key_blocks = (unsigned)((p->seq_kv + Bc_bwd - 1) / Bc_bwd * heads);
+  flash_backward_dkdv_kernel<D><<<key_blocks, Bc_bwd, dkdv_bytes(D)>>>(
+      (const float *)t->q, (const float *)t->k, (const float *)t->v, (const float *)t->d_o,
+      t->lse, delta, (float *)t->dk, (float *)t->dv, p->seq_q, p->seq_kv, heads, p->scale,
+      p->causal);
+  CHECK_LAUNCH("flash_backward_dkdv_kernel");
+  attn_require_shared_memory((const void *)flash_backward_dq_kernel<D>, tile_bytes(D),
+                             "flash_backward_dq_kernel");
+  unsigned row_blocks = (unsigned)((p->seq_q + Br - 1) / Br * heads);
+  flash_backward_dq_kernel<D><<<row_blocks, Br, tile_bytes(D)>>>(
+      (const float *)t->q, (const float *)t->k, (const float *)t->v, (const float *)t->d_o,
+      t->lse, delta, (float *)t->dq, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
+  CHECK_LAUNCH("flash_backward_dq_kernel");
+}
+
+static void backward(const attn_problem *p, const attn_buffers *t) {
+  switch (p->head_dim) {
+    case 32: launch_backward<32>(p, t); break;
+    case 64: launch_backward<64>(p, t); break;
+    case 128: launch_backward<128>(p, t); break;
+  }
+}
+
+static const attn_stage stage = {
+    "06_backward",
+    "the backward: recompute P from LSE tile by tile; dK, dV per key, then dQ per query",
+    &attn_cuda_device,
+    {32, 64, 128},
+    0,
+    1, /* has_causal */
+    1, /* saves_lse */
+    NULL,
+    forward,
+    backward_workspace,
+    backward,
+};
+
+int main(int argc, char **argv) { return attention_main(&stage, argc, argv); }
