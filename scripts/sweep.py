@@ -50,12 +50,16 @@ def fmt_time(s):
     return f"{s // 60}m{s % 60:02d}s"
 
 
-def run(stages, out_dir, log=sys.stderr):
+def run(stages, out_dir, log=sys.stderr, budget=0):
     os.makedirs(out_dir, exist_ok=True)
     todo = [(s, a) for s in stages for a in points(s)]
     t0, failures = time.time(), 0
     for k, (stage, args) in enumerate(todo):
         elapsed = time.time() - t0
+        if budget and elapsed > budget:
+            print(f"sweep: stopped after {fmt_time(elapsed)} (budget {budget} s): "
+                  f"{len(todo) - k} points not run, from {stage.name} {' '.join(args)}", file=log)
+            return failures
         left = elapsed / k * (len(todo) - k) if k else 0
         print(f"[{k + 1:3d}/{len(todo)}] {stage.name} {' '.join(args)}   "
               f"elapsed {fmt_time(elapsed)}, about {fmt_time(left)} left", file=log, flush=True)
@@ -79,10 +83,12 @@ def main():
     ap.add_argument("--out", required=True, help="folder for cpu.tsv / gpu.tsv")
     ap.add_argument("--kind", choices=["cpu", "gpu", "all"], default="all")
     ap.add_argument("--stages", nargs="*", help="only these stages")
+    ap.add_argument("--budget", type=float, default=0,
+                    help="seconds after which no new point starts (0: no limit)")
     a = ap.parse_args()
     stages = [s for s in attn.find_stages(a.bin)
               if (a.kind == "all" or s.kind == a.kind) and (not a.stages or s.name in a.stages)]
-    sys.exit(1 if run(stages, a.out) else 0)
+    sys.exit(1 if run(stages, a.out, budget=a.budget) else 0)
 
 
 if __name__ == "__main__":
