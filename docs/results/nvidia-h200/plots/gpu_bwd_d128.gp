@@ -1,0 +1,10 @@
+set terminal pngcairo size 1000,640 font 'sans,11'
+set output 'gpu_bwd_d128.png'
+set title "GPU backward, d = 128, non-causal (H = 2048/d, B = 16384/N)\n{/*0.8 NVIDIA H200, CUDA 13.0, 2026-11-21}"
+set xlabel 'N (sequence length)'
+set ylabel 'TFLOP/s'
+set grid
+set key outside right top
+set logscale x 2
+set logscale y
+plot 'gpu_bwd_d128_data/s0.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#1b9e77' title '06_backward' noenhanced
