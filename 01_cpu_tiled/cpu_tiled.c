@@ -49,8 +49,7 @@ static void softmax_rows(const attn_problem *p, int rows, float *S) {
 }
 
 /* O = P V for the block's rows. */
-static void multiply_pv(const attn_problem *p, int rows, const float *P, const float *V,
-                        float *O) {
+static void multiply_pv(const attn_problem *p, int rows, const float *P, const float *V, float *O) {
   int d = p->head_dim, nkv = p->seq_kv;
   for (int r = 0; r < rows; r++)
     for (int c = 0; c < d; c++) {

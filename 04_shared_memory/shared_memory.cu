@@ -119,8 +119,8 @@ static void launch(const attn_problem *p, const attn_buffers *t) {
   attn_require_shared_memory((const void *)flash_forward_kernel<D>, tile_bytes(D),
                              "flash_forward_kernel");
   flash_forward_kernel<D><<<grid, Br, tile_bytes(D)>>>((const float *)t->q, (const float *)t->k,
-                                        (const float *)t->v, (float *)t->o, t->lse, p->seq_q,
-                                        p->seq_kv, p->scale);
+                                                       (const float *)t->v, (float *)t->o, t->lse,
+                                                       p->seq_q, p->seq_kv, p->scale);
   CHECK_LAUNCH("flash_forward_kernel");
 }
 

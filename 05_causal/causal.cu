@@ -106,7 +106,8 @@ __global__ void __launch_bounds__(Br)
    * share its K and V in L2 (ordered across heads instead: 6.5% slower). */
   int row_blocks = (nq + Br - 1) / Br;
   long bh = causal ? blockIdx.x % heads : blockIdx.x / row_blocks;
-  int i0 = (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) * Br;
+  int i0 =
+      (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) * Br;
   int i = i0 + threadIdx.x; /* this thread's query row */
   /* A thread past the last row still helps load tiles and meets every barrier. */
   bool has_row = i < nq;
@@ -140,9 +141,9 @@ static void launch(const attn_problem *p, const attn_buffers *t) {
   dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
   attn_require_shared_memory((const void *)flash_forward_kernel<D>, tile_bytes(D),
                              "flash_forward_kernel");
-  flash_forward_kernel<D><<<grid, Br, tile_bytes(D)>>>((const float *)t->q, (const float *)t->k,
-                                        (const float *)t->v, (float *)t->o, t->lse, p->seq_q,
-                                        p->seq_kv, heads, p->scale, p->causal);
+  flash_forward_kernel<D><<<grid, Br, tile_bytes(D)>>>(
+      (const float *)t->q, (const float *)t->k, (const float *)t->v, (float *)t->o, t->lse,
+      p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_forward_kernel");
 }
 

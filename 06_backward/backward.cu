@@ -111,7 +111,8 @@ __global__ void __launch_bounds__(Br)
    * share its K and V in L2 (ordered across heads instead: 6.5% slower). */
   int row_blocks = (nq + Br - 1) / Br;
   long bh = causal ? blockIdx.x % heads : blockIdx.x / row_blocks;
-  int i0 = (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) * Br;
+  int i0 =
+      (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) * Br;
   int i = i0 + threadIdx.x; /* this thread's query row */
   /* A thread past the last row still helps load tiles and meets every barrier. */
   bool has_row = i < nq;
@@ -145,9 +146,9 @@ static void launch(const attn_problem *p, const attn_buffers *t) {
   dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
   attn_require_shared_memory((const void *)flash_forward_kernel<D>, tile_bytes(D),
                              "flash_forward_kernel");
-  flash_forward_kernel<D><<<grid, Br, tile_bytes(D)>>>((const float *)t->q, (const float *)t->k,
-                                        (const float *)t->v, (float *)t->o, t->lse, p->seq_q,
-                                        p->seq_kv, heads, p->scale, p->causal);
+  flash_forward_kernel<D><<<grid, Br, tile_bytes(D)>>>(
+      (const float *)t->q, (const float *)t->k, (const float *)t->v, (float *)t->o, t->lse,
+      p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_forward_kernel");
 }
 
@@ -169,7 +170,9 @@ constexpr int Bc_bwd = 128;
  * tiles plus these) at 144 KiB for d = 128, under the 227 KiB opt-in limit. */
 constexpr int Br_bwd = 16;
 
-static size_t backward_workspace(const attn_problem *p) { return sizeof(float) * attn_lse_elems(p); }
+static size_t backward_workspace(const attn_problem *p) {
+  return sizeof(float) * attn_lse_elems(p);
+}
 
 /* Shared memory of the dK/dV kernel: K^T and V^T (d x Bc_bwd), Q and dO tiles (Br_bwd x d),
  * LSE and D of the tile's rows. */
@@ -272,7 +275,8 @@ __global__ void __launch_bounds__(Br)
   float *Ks = reinterpret_cast<float *>(smem), *Vs = Ks + Bc * D;
   int row_blocks = (nq + Br - 1) / Br;
   long bh = causal ? blockIdx.x % heads : blockIdx.x / row_blocks;
-  int i0 = (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) * Br;
+  int i0 =
+      (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) * Br;
   int i = i0 + threadIdx.x;
   bool has_row = i < nq;
   const float *K = k + bh * nkv * D, *V = v + bh * nkv * D;
@@ -323,16 +327,15 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
                              "flash_backward_dkdv_kernel");
   unsigned key_blocks = (unsigned)((p->seq_kv + Bc_bwd - 1) / Bc_bwd * heads);
   flash_backward_dkdv_kernel<D><<<key_blocks, Bc_bwd, dkdv_bytes(D)>>>(
-      (const float *)t->q, (const float *)t->k, (const float *)t->v, (const float *)t->d_o,
-      t->lse, delta, (float *)t->dk, (float *)t->dv, p->seq_q, p->seq_kv, heads, p->scale,
-      p->causal);
+      (const float *)t->q, (const float *)t->k, (const float *)t->v, (const float *)t->d_o, t->lse,
+      delta, (float *)t->dk, (float *)t->dv, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_backward_dkdv_kernel");
   attn_require_shared_memory((const void *)flash_backward_dq_kernel<D>, tile_bytes(D),
                              "flash_backward_dq_kernel");
   unsigned row_blocks = (unsigned)((p->seq_q + Br - 1) / Br * heads);
   flash_backward_dq_kernel<D><<<row_blocks, Br, tile_bytes(D)>>>(
-      (const float *)t->q, (const float *)t->k, (const float *)t->v, (const float *)t->d_o,
-      t->lse, delta, (float *)t->dq, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
+      (const float *)t->q, (const float *)t->k, (const float *)t->v, (const float *)t->d_o, t->lse,
+      delta, (float *)t->dq, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_backward_dq_kernel");
 }
 

@@ -54,13 +54,13 @@ typedef void (*attn_pass_fn)(const attn_problem *p, const attn_buffers *t);
 typedef struct attn_device attn_device;
 
 typedef struct {
-  const char *name;   /* "02_online_softmax" */
-  const char *idea;   /* the idea it adds, in a phrase */
+  const char *name; /* "02_online_softmax" */
+  const char *idea; /* the idea it adds, in a phrase */
   const attn_device *device;
-  int head_dims[8];   /* supported head dims, 0-terminated; all zero means any d >= 1 */
-  unsigned dtypes;    /* DTYPE_BIT mask; 0 means fp32 only */
-  int has_causal;     /* 0: --causal is rejected and names the stage that adds it */
-  int saves_lse;      /* 1 from stage 02 on */
+  int head_dims[8]; /* supported head dims, 0-terminated; all zero means any d >= 1 */
+  unsigned dtypes;  /* DTYPE_BIT mask; 0 means fp32 only */
+  int has_causal;   /* 0: --causal is rejected and names the stage that adds it */
+  int saves_lse;    /* 1 from stage 02 on */
   attn_workspace_fn forward_workspace;
   attn_pass_fn forward;
   attn_workspace_fn backward_workspace; /* NULL before stage 06 */

@@ -56,8 +56,8 @@ static int all_finite(const attn_check_inputs *in, const char *what, const float
   for (size_t e = 0; e < n; e++) {
     if (isfinite(x[e])) continue;
     long r = (long)(e / (size_t)d);
-    fprintf(stderr, "%s: %s: element %zu (row %ld) is %g (seed %llu)\n", attn_program_name, what,
-            e, r, x[e], (unsigned long long)in->seed);
+    fprintf(stderr, "%s: %s: element %zu (row %ld) is %g (seed %llu)\n", attn_program_name, what, e,
+            r, x[e], (unsigned long long)in->seed);
     return 0;
   }
   return 1;

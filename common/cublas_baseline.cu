@@ -11,7 +11,8 @@
 #include "gpu.h"
 
 static void cublas_check(cublasStatus_t st, const char *what) {
-  if (st != CUBLAS_STATUS_SUCCESS) attn_fail(EXIT_CHECK_FAILED, "cuBLAS error %d in %s", (int)st, what);
+  if (st != CUBLAS_STATUS_SUCCESS)
+    attn_fail(EXIT_CHECK_FAILED, "cuBLAS error %d in %s", (int)st, what);
 }
 
 /* Threads per softmax row: 256 threads sweep a row of up to 16384 logits in 64 steps;
@@ -81,22 +82,22 @@ static void forward(const attn_problem *p, const attn_buffers *t) {
   const float one = 1.f, zero = 0.f;
   /* Row-major S (Nq x Nkv) is column-major S^T = K Q^T: A = K (as K^T, d x Nkv, transposed),
    * B = Q (as Q^T, d x Nq). */
-  cublas_check(cublasGemmStridedBatchedEx(handle(), CUBLAS_OP_T, CUBLAS_OP_N, nkv, nq, d,
-                                          &p->scale, t->k, CUDA_R_32F, d, (long long)nkv * d,
-                                          t->q, CUDA_R_32F, d, (long long)nq * d, &zero, S,
-                                          CUDA_R_32F, nkv, (long long)nq * nkv, heads,
-                                          CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT),
-               "S = scale Q K^T");
+  cublas_check(
+      cublasGemmStridedBatchedEx(handle(), CUBLAS_OP_T, CUBLAS_OP_N, nkv, nq, d, &p->scale, t->k,
+                                 CUDA_R_32F, d, (long long)nkv * d, t->q, CUDA_R_32F, d,
+                                 (long long)nq * d, &zero, S, CUDA_R_32F, nkv, (long long)nq * nkv,
+                                 heads, CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT),
+      "S = scale Q K^T");
   softmax_rows_kernel<<<(unsigned)((long)heads * nq), SOFTMAX_THREADS>>>(S, t->lse, nq, nkv,
                                                                          p->causal);
   CHECK_LAUNCH("softmax_rows_kernel");
   /* Row-major O (Nq x d) is column-major O^T = V^T P^T. */
-  cublas_check(cublasGemmStridedBatchedEx(handle(), CUBLAS_OP_N, CUBLAS_OP_N, d, nq, nkv, &one,
-                                          t->v, CUDA_R_32F, d, (long long)nkv * d, S, CUDA_R_32F,
-                                          nkv, (long long)nq * nkv, &zero, t->o, CUDA_R_32F, d,
-                                          (long long)nq * d, heads, CUBLAS_COMPUTE_32F_PEDANTIC,
-                                          CUBLAS_GEMM_DEFAULT),
-               "O = P V");
+  cublas_check(
+      cublasGemmStridedBatchedEx(handle(), CUBLAS_OP_N, CUBLAS_OP_N, d, nq, nkv, &one, t->v,
+                                 CUDA_R_32F, d, (long long)nkv * d, S, CUDA_R_32F, nkv,
+                                 (long long)nq * nkv, &zero, t->o, CUDA_R_32F, d, (long long)nq * d,
+                                 heads, CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT),
+      "O = P V");
 }
 
 static const attn_stage stage = {

@@ -28,7 +28,7 @@ struct attn_device {
   void (*fill_nan)(void *dst, size_t count, attn_dtype t); /* poison an output */
   void (*before_repeat)(void);                             /* GPU: flush the L2 cache */
   void (*timer_start)(void);
-  double (*timer_stop_ms)(void); /* waits for the work since timer_start */
+  double (*timer_stop_ms)(void);    /* waits for the work since timer_start */
   int quick_warmups, quick_repeats; /* a default run */
   int bench_warmups, bench_repeats; /* --bench (CONVENTIONS.md section 5) */
 };

@@ -68,8 +68,8 @@ static void *gpu_alloc(size_t bytes, const char *what) {
     cudaGetLastError(); /* clear the error before asking */
     cudaMemGetInfo(&free_bytes, &total);
     attn_fail(EXIT_BAD_USAGE,
-              "problem too large for device memory: %s needs %.2f GiB, %.2f GiB free of %.2f",
-              what, bytes / 1073741824.0, free_bytes / 1073741824.0, total / 1073741824.0);
+              "problem too large for device memory: %s needs %.2f GiB, %.2f GiB free of %.2f", what,
+              bytes / 1073741824.0, free_bytes / 1073741824.0, total / 1073741824.0);
   }
   return ptr;
 }

@@ -13,7 +13,8 @@ void attn_cuda_check(cudaError_t err, const char *what, const char *file, int li
 #define CUDA_CHECK(call) attn_cuda_check((call), #call, __FILE__, __LINE__)
 /* After every launch: a bad configuration shows at once, a fault in the kernel at the next
  * synchronising call, which the harness makes after every timed run. */
-#define CHECK_LAUNCH(kernel_name) attn_cuda_check(cudaGetLastError(), kernel_name, __FILE__, __LINE__)
+#define CHECK_LAUNCH(kernel_name) \
+  attn_cuda_check(cudaGetLastError(), kernel_name, __FILE__, __LINE__)
 
 /* Allows `kernel` `bytes` of dynamic shared memory, or exits 2 naming the limit when the
  * device cannot give that much to one block. */

@@ -30,7 +30,7 @@ static uint16_t float_to_fp16(float x) {
   uint32_t abs = u & 0x7fffffffu;
   if (abs > 0x7f800000u) return sign | 0x7e00u;  /* NaN */
   if (abs >= 0x477ff000u) return sign | 0x7c00u; /* rounds to or beyond 65520: infinity */
-  if (abs < 0x38800000u) {                        /* below 2^-14: subnormal or zero */
+  if (abs < 0x38800000u) {                       /* below 2^-14: subnormal or zero */
     /* Scale so that one fp16 subnormal step (2^-24) is one unit, then round to even. */
     float scaled = bits_float(abs) * 16777216.0f; /* exact: a power-of-two scaling */
     uint32_t whole = (uint32_t)scaled;

@@ -38,8 +38,8 @@ static double softmax_in_place(double *s, int n) {
 }
 
 void reference_forward_rows(const attn_problem *p, const double *q, const double *k,
-                            const double *v, const long *rows, long n_rows, double *o,
-                            double *lse, double *max_abs_s) {
+                            const double *v, const long *rows, long n_rows, double *o, double *lse,
+                            double *max_abs_s) {
   int d = p->head_dim;
   double *s = attn_host_alloc(sizeof(double) * (size_t)p->seq_kv, "reference scores");
   double s_max = 0;
@@ -67,8 +67,8 @@ void reference_forward_rows(const attn_problem *p, const double *q, const double
  *   dQ_i = scale sum_j dS_ij K_j,   dK_j = scale sum_i dS_ij Q_i
  * Masked entries have P = 0, so they get no gradient, and a row that sees no key gives 0. */
 void reference_backward(const attn_problem *p, const double *q, const double *k, const double *v,
-                        const double *d_o, const double *w_lse, double *dq, double *dk,
-                        double *dv, double *ds) {
+                        const double *d_o, const double *w_lse, double *dq, double *dk, double *dv,
+                        double *ds) {
   int d = p->head_dim, nq = p->seq_q, nkv = p->seq_kv;
   double *P = attn_host_alloc(sizeof(double) * (size_t)nq * nkv, "reference P");
   double *dP = attn_host_alloc(sizeof(double) * (size_t)nq * nkv, "reference dP");

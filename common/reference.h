@@ -13,13 +13,13 @@ extern "C" {
  * rows == NULL), written densely: o[n*d + c], lse[n]. max_abs_s gets max|S| over their
  * visible logits. */
 void reference_forward_rows(const attn_problem *p, const double *q, const double *k,
-                            const double *v, const long *rows, long n_rows, double *o,
-                            double *lse, double *max_abs_s);
+                            const double *v, const long *rows, long n_rows, double *o, double *lse,
+                            double *max_abs_s);
 /* dQ, dK, dV of loss = sum(O * dO) + sum(w_lse * LSE) (w_lse may be NULL), every row; and
  * dS = dLoss/dS [B,H,Nq,Nkv] when ds != NULL (for the tests of its invariants). */
 void reference_backward(const attn_problem *p, const double *q, const double *k, const double *v,
-                        const double *d_o, const double *w_lse, double *dq, double *dk,
-                        double *dv, double *ds);
+                        const double *d_o, const double *w_lse, double *dq, double *dk, double *dv,
+                        double *ds);
 
 #ifdef __cplusplus
 }

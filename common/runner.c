@@ -162,10 +162,14 @@ static void parse_options(const attn_stage *s, int argc, char **argv, options *o
       if (errno || end == v || *end || v[0] == '-')
         attn_fail(EXIT_BAD_USAGE, "--seed must be a non-negative integer, got '%s'", v);
     } else if (match(a, NULL, "--dtype", 1, argc, argv, &i, &v)) {
-      if (strcmp(v, "fp32") == 0) o->p.dtype = DTYPE_FP32;
-      else if (strcmp(v, "fp16") == 0) o->p.dtype = DTYPE_FP16;
-      else if (strcmp(v, "bf16") == 0) o->p.dtype = DTYPE_BF16;
-      else attn_fail(EXIT_BAD_USAGE, "--dtype must be fp32, fp16 or bf16, got '%s'", v);
+      if (strcmp(v, "fp32") == 0)
+        o->p.dtype = DTYPE_FP32;
+      else if (strcmp(v, "fp16") == 0)
+        o->p.dtype = DTYPE_FP16;
+      else if (strcmp(v, "bf16") == 0)
+        o->p.dtype = DTYPE_BF16;
+      else
+        attn_fail(EXIT_BAD_USAGE, "--dtype must be fp32, fp16 or bf16, got '%s'", v);
     } else if (match(a, NULL, "--check", 0, argc, argv, &i, &v)) {
       o->check = o->given_check = 1;
     } else if (match(a, NULL, "--bench", 0, argc, argv, &i, &v)) {
@@ -179,10 +183,14 @@ static void parse_options(const attn_stage *s, int argc, char **argv, options *o
     } else if (match(a, NULL, "--tsv", 1, argc, argv, &i, &v)) {
       o->tsv_path = v;
     } else if (match(a, NULL, "--inputs", 1, argc, argv, &i, &v)) {
-      if (strcmp(v, "randn") == 0) o->pattern = PATTERN_RANDN;
-      else if (strcmp(v, "const-v") == 0) o->pattern = PATTERN_CONST_V;
-      else if (strcmp(v, "zero-q") == 0) o->pattern = PATTERN_ZERO_Q;
-      else attn_fail(EXIT_BAD_USAGE, "--inputs must be randn, const-v or zero-q, got '%s'", v);
+      if (strcmp(v, "randn") == 0)
+        o->pattern = PATTERN_RANDN;
+      else if (strcmp(v, "const-v") == 0)
+        o->pattern = PATTERN_CONST_V;
+      else if (strcmp(v, "zero-q") == 0)
+        o->pattern = PATTERN_ZERO_Q;
+      else
+        attn_fail(EXIT_BAD_USAGE, "--inputs must be randn, const-v or zero-q, got '%s'", v);
     } else if (match(a, NULL, "--input-scale", 1, argc, argv, &i, &v)) {
       o->input_scale = parse_real("--input-scale", v);
       if (!(o->input_scale > 0))
@@ -206,8 +214,7 @@ static void validate_for_stage(const attn_stage *s, const options *o) {
     char list[64] = "";
     for (int i = 0; i < 8 && s->head_dims[i]; i++) {
       ok |= s->head_dims[i] == p->head_dim;
-      snprintf(list + strlen(list), sizeof list - strlen(list), i ? ", %d" : "%d",
-               s->head_dims[i]);
+      snprintf(list + strlen(list), sizeof list - strlen(list), i ? ", %d" : "%d", s->head_dims[i]);
     }
     if (!ok)
       attn_fail(EXIT_BAD_USAGE,
@@ -216,10 +223,9 @@ static void validate_for_stage(const attn_stage *s, const options *o) {
   }
   unsigned dtypes = s->dtypes ? s->dtypes : DTYPE_BIT(DTYPE_FP32);
   if (!(dtypes & DTYPE_BIT(p->dtype)))
-    attn_fail(EXIT_BAD_USAGE, "--dtype %s is not supported by this stage%s",
-              attn_dtype_name(p->dtype),
-              dtypes == DTYPE_BIT(DTYPE_FP32) ? " (fp32 only; 07_tensor_cores adds fp16 and bf16)"
-                                              : "");
+    attn_fail(
+        EXIT_BAD_USAGE, "--dtype %s is not supported by this stage%s", attn_dtype_name(p->dtype),
+        dtypes == DTYPE_BIT(DTYPE_FP32) ? " (fp32 only; 07_tensor_cores adds fp16 and bf16)" : "");
   if (p->causal && !s->has_causal)
     attn_fail(EXIT_BAD_USAGE,
               "--causal is not supported by this stage: the causal mask comes in 05_causal");
@@ -296,8 +302,10 @@ static void load_inputs(const options *o, host_inputs *in) {
     const char *name;
     float *dst;
     const size_t *shape;
-  } files[4] = {{"q.npy", in->q, q_shape}, {"k.npy", in->k, kv_shape},
-                {"v.npy", in->v, kv_shape}, {"do.npy", in->d_o, q_shape}};
+  } files[4] = {{"q.npy", in->q, q_shape},
+                {"k.npy", in->k, kv_shape},
+                {"v.npy", in->v, kv_shape},
+                {"do.npy", in->d_o, q_shape}};
   for (int f = 0; f < 4; f++) {
     if (!files[f].dst) continue;
     char path[4096], err[512];
@@ -408,8 +416,7 @@ static void human_bytes(char *buf, size_t len, double bytes) {
 static void print_line(const attn_stage *s, const attn_problem *p, const pass_result *r) {
   char shape[96], ws[32], rate[32], check[64];
   if (p->seq_q == p->seq_kv)
-    snprintf(shape, sizeof shape, "B=%d H=%d N=%d d=%d", p->batch, p->heads, p->seq_q,
-             p->head_dim);
+    snprintf(shape, sizeof shape, "B=%d H=%d N=%d d=%d", p->batch, p->heads, p->seq_q, p->head_dim);
   else
     snprintf(shape, sizeof shape, "B=%d H=%d Nq=%d Nkv=%d d=%d", p->batch, p->heads, p->seq_q,
              p->seq_kv, p->head_dim);
@@ -425,8 +432,8 @@ static void print_line(const attn_stage *s, const attn_problem *p, const pass_re
   else
     snprintf(check, sizeof check, "not checked");
   printf("%-18s %s %-28s %s %-10s | %s | %9.3f ms | %s | workspace %s\n", s->name, r->direction,
-         shape, attn_dtype_name(p->dtype), p->causal ? "causal" : "non-causal", check, r->ms,
-         rate, ws);
+         shape, attn_dtype_name(p->dtype), p->causal ? "causal" : "non-causal", check, r->ms, rate,
+         ws);
 }
 
 static void write_tsv(const char *path, const attn_stage *s, const attn_problem *p,
@@ -437,12 +444,13 @@ static void write_tsv(const char *path, const attn_stage *s, const attn_problem 
     fprintf(f,
             "stage\tdirection\tdtype\tB\tH\tNq\tNkv\td\tcausal\tms\ttflops\tworkspace_bytes\t"
             "device_bytes\tpeak_rss_bytes\tmax_err\ttol\tcheck\tdevice\tunits\tcuda\tdate\n");
-  fprintf(f, "%s\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%.6g\t%.6g\t%zu\t%zu\t%ld\t%.3g\t%.3g\t%s\t%s\t%d\t%s\t%s\n",
-          s->name, r->direction, attn_dtype_name(p->dtype), p->batch, p->heads, p->seq_q,
-          p->seq_kv, p->head_dim, p->causal, r->ms, r->flops / (r->ms * 1e-3) / 1e12,
-          r->workspace, r->device_bytes, peak_rss_bytes(), r->checked ? r->err : NAN,
-          r->checked ? r->tol : NAN, r->checked ? (r->ok ? "ok" : "fail") : "none", st->device,
-          st->units, st->cuda, st->date);
+  fprintf(f,
+          "%s\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%.6g\t%.6g\t%zu\t%zu\t%ld\t%.3g\t%.3g\t%s\t%s\t%d\t%"
+          "s\t%s\n",
+          s->name, r->direction, attn_dtype_name(p->dtype), p->batch, p->heads, p->seq_q, p->seq_kv,
+          p->head_dim, p->causal, r->ms, r->flops / (r->ms * 1e-3) / 1e12, r->workspace,
+          r->device_bytes, peak_rss_bytes(), r->checked ? r->err : NAN, r->checked ? r->tol : NAN,
+          r->checked ? (r->ok ? "ok" : "fail") : "none", st->device, st->units, st->cuda, st->date);
   if (fclose(f) != 0) attn_fail(EXIT_BAD_USAGE, "--tsv %s: write failed", path);
 }
 
@@ -459,11 +467,13 @@ static void check_host_memory(const attn_stage *s, const options *o) {
   if (o->check) bytes += 8 * (2 * nq + 2 * nkv + nlse + grads); /* the float64 reference */
   double physical = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGESIZE);
   if (physical > 0 && bytes > physical)
-    attn_fail(EXIT_BAD_USAGE, "problem too large for host memory: needs %.1f GiB, the host has %.1f GiB",
+    attn_fail(EXIT_BAD_USAGE,
+              "problem too large for host memory: needs %.1f GiB, the host has %.1f GiB",
               bytes / 1073741824.0, physical / 1073741824.0);
 }
 
-/* ---- the program ------------------------------------------------------------------------------ */
+/* ---- the program ------------------------------------------------------------------------------
+ */
 
 int attention_main(const attn_stage *s, int argc, char **argv) {
   attn_program_name = s->name;
@@ -520,7 +530,8 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
   s->device->fill_nan(t.o, nq, p->dtype);
   s->device->fill_nan(t.lse, nlse, DTYPE_FP32);
 
-  pass_result fwd = {.direction = "fwd", .flops = attn_forward_flops(p), .workspace = fwd_workspace};
+  pass_result fwd = {
+      .direction = "fwd", .flops = attn_forward_flops(p), .workspace = fwd_workspace};
   float *o_host = attn_host_alloc(nq * sizeof(float), "O");
   float *lse_host = attn_host_alloc(nlse * sizeof(float), "LSE");
   s->forward(p, &t);
@@ -536,7 +547,8 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
     failed |= !fwd.ok;
   }
 
-  pass_result bwd = {.direction = "bwd", .flops = attn_backward_flops(p), .workspace = bwd_workspace};
+  pass_result bwd = {
+      .direction = "bwd", .flops = attn_backward_flops(p), .workspace = bwd_workspace};
   float *grads[3] = {NULL, NULL, NULL};
   if (o.backward) {
     void *dgrad[3] = {t.dq, t.dk, t.dv};
@@ -587,12 +599,13 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
     }
   }
 
-  void *device_buffers[] = {(void *)t.q, (void *)t.k, (void *)t.v, t.o, t.lse, t.workspace,
-                            (void *)t.d_o, t.dq, t.dk, t.dv};
+  void *device_buffers[] = {(void *)t.q, (void *)t.k,   (void *)t.v, t.o,  t.lse,
+                            t.workspace, (void *)t.d_o, t.dq,        t.dk, t.dv};
   for (size_t i = 0; i < sizeof device_buffers / sizeof *device_buffers; i++)
     if (device_buffers[i]) s->device->release(device_buffers[i]);
   free(in.q), free(in.k), free(in.v), free(in.d_o), free(o_host), free(lse_host);
   for (int g = 0; g < 3; g++) free(grads[g]);
-  if (failed) fprintf(stderr, "%s: check FAILED (seed %llu)\n", s->name, (unsigned long long)o.seed);
+  if (failed)
+    fprintf(stderr, "%s: check FAILED (seed %llu)\n", s->name, (unsigned long long)o.seed);
   return failed ? EXIT_CHECK_FAILED : EXIT_OK;
 }

@@ -25,11 +25,10 @@ int main(int argc, char **argv) {
   static float zeros[1 * 2 * 5 * 32];
   size_t kv_shape[4] = {1, 2, 5, 32};
   const char *names[4] = {"wrong_dtype", "wrong_shape", "fortran_order", "truncated"};
-  const char *dicts[4] = {
-      "{'descr': '<f8', 'fortran_order': False, 'shape': (1, 2, 3, 32), }",
-      "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 2, 3, 33), }",
-      "{'descr': '<f4', 'fortran_order': True, 'shape': (1, 2, 3, 32), }",
-      "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 2, 3, 32), }"};
+  const char *dicts[4] = {"{'descr': '<f8', 'fortran_order': False, 'shape': (1, 2, 3, 32), }",
+                          "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 2, 3, 33), }",
+                          "{'descr': '<f4', 'fortran_order': True, 'shape': (1, 2, 3, 32), }",
+                          "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 2, 3, 32), }"};
   size_t data_bytes[4] = {8 * 192, 4 * 198, 4 * 192, 4 * 100};
   char path[4096], err[256];
   mkdir(argv[1], 0777);

@@ -9,13 +9,13 @@
 
 static int failures = 0;
 
-#define EXPECT(cond, ...)                                                                        \
-  do {                                                                                           \
-    if (!(cond)) {                                                                               \
-      failures++;                                                                                \
-      fprintf(stderr, "FAIL: " __VA_ARGS__);                                                     \
-      fputc('\n', stderr);                                                                       \
-    }                                                                                            \
+#define EXPECT(cond, ...)                    \
+  do {                                       \
+    if (!(cond)) {                           \
+      failures++;                            \
+      fprintf(stderr, "FAIL: " __VA_ARGS__); \
+      fputc('\n', stderr);                   \
+    }                                        \
   } while (0)
 
 typedef struct {
@@ -102,7 +102,8 @@ static void invariants(int nq, int nkv, int causal) {
   }
   for (size_t e = 0; e < nqe; e++) d_o[e] = 0;
   reference_backward(&p, q, k, v, d_o, w, dq, dk, dv, NULL);
-  for (size_t e = 0; e < nkve; e++) EXPECT(dv[e] == 0, "LSE-only loss but dV[%zu] = %.3g", e, dv[e]);
+  for (size_t e = 0; e < nkve; e++)
+    EXPECT(dv[e] == 0, "LSE-only loss but dV[%zu] = %.3g", e, dv[e]);
   free(q), free(k), free(v), free(d_o), free(w), free(dq), free(dk), free(dv), free(ds);
 }
 
@@ -116,7 +117,7 @@ int main(void) {
           finite_differences(lengths[a], lengths[b], dims[t], causal);
   /* Nq = 5 > Nkv = 3 under the causal mask: rows 0 and 1 see no key. */
   invariants(5, 3, 1), invariants(5, 3, 0), invariants(4, 9, 1);
-  printf("reference backward: %d finite-difference cases, 3 invariant cases, %d failures\n",
-         cases, failures);
+  printf("reference backward: %d finite-difference cases, 3 invariant cases, %d failures\n", cases,
+         failures);
   return failures ? 1 : 0;
 }
