@@ -29,12 +29,13 @@ constexpr int Bc = 32;
 static size_t tile_bytes(int d) { return 2 * sizeof(float) * Bc * (size_t)d; }
 
 /* The whole block copies rows [j0, j0 + cols) of K and V into Ks, Vs: consecutive threads
- * take consecutive float4s, so each warp reads 512 contiguous bytes. */
+ * take consecutive float4s, so each warp reads 512 contiguous bytes. (blockDim.x, not Br:
+ * the backward's dQ kernel reuses this with more threads per block.) */
 template <int D>
 __device__ void load_kv_tile(const float *K, const float *V, int cols, float *Ks, float *Vs) {
   const float4 *K4 = reinterpret_cast<const float4 *>(K);
   const float4 *V4 = reinterpret_cast<const float4 *>(V);
-  for (int e = threadIdx.x; e < cols * D / 4; e += Br) {
+  for (int e = threadIdx.x; e < cols * D / 4; e += blockDim.x) {
     reinterpret_cast<float4 *>(Ks)[e] = K4[e];
     reinterpret_cast<float4 *>(Vs)[e] = V4[e];
   }
@@ -162,8 +163,25 @@ static void forward(const attn_problem *p, const attn_buffers *t) {
 
 /* ---- the backward ------------------------------------------------------------------ */
 
-/* Keys per dK/dV block (one thread each): 128 threads = 4 warps; with dK and dV (2d floats)
- * in registers, about two such blocks fit an SM. */
+/* Threads that share one row of the backward. A backward thread keeps three d-vectors in
+ * registers (q, dO, dQ; or k-side dK, dV); at d = 128 that is 384 floats, and ptxas put
+ * them in local memory (2.9 KB stack, 1.04 TFLOP/s). Two threads per row at d = 128 keep
+ * d = 64's footprint: thread `part` owns the columns c * lanes + part (interleaved, so the
+ * pair reads neighbouring shared-memory words: different banks), and the two halves of each
+ * dot product meet through one warp shuffle. */
+__host__ __device__ constexpr int row_lanes(int d) { return d > 64 ? 2 : 1; }
+
+/* Sum of a dot product's partial sums over the lanes of a row (lanes are adjacent in the
+ * warp). Every thread of the warp must call this: the shuffle names the whole warp. */
+template <int LANES>
+__device__ float sum_over_row_lanes(float x) {
+#pragma unroll
+  for (int w = 1; w < LANES; w *= 2) x += __shfl_xor_sync(0xffffffffu, x, w);
+  return x;
+}
+
+/* Keys per dK/dV block (row_lanes(d) threads each): 4 warps at d <= 64; with dK and dV
+ * (2d floats) in registers, about two such blocks fit an SM. */
 constexpr int Bc_bwd = 128;
 /* Query rows per tile of the dK/dV kernel: Q and dO tiles of 16 rows are read as
  * broadcasts by every thread; 16 keeps the block's shared memory (the transposed K and V
@@ -191,34 +209,43 @@ __global__ void compute_delta_kernel(const float *o, const float *d_o, float *de
   delta[r] = sum;
 }
 
-/* One thread per key j of the block's Bc_bwd keys. K and V are stored transposed in shared
- * memory (Kt[c][j]), so that the 32 threads of a warp read 32 consecutive words: no bank
- * conflicts. Q and dO rows are read by all threads at once: broadcasts. */
+/* Where column c of key `key` lives in the transposed K and V tiles: [c / lanes][key][lane],
+ * so the threads of a warp read consecutive words: no bank conflicts (d <= 64: Kt[c][j]). */
+template <int LANES>
+__device__ int transposed_index(int c, int key) {
+  return ((c / LANES) * Bc_bwd + key) * LANES + c % LANES;
+}
+
+/* row_lanes(D) threads per key j of the block's Bc_bwd keys. K and V are stored transposed
+ * in shared memory (transposed_index) so that a warp reads consecutive words. Q and dO rows
+ * are read by all threads at once: broadcasts. */
 template <int D>
-__global__ void __launch_bounds__(Bc_bwd)
+__global__ void __launch_bounds__(Bc_bwd * row_lanes(D))
     flash_backward_dkdv_kernel(const float *__restrict__ q, const float *__restrict__ k,
                                const float *__restrict__ v, const float *__restrict__ d_o,
                                const float *__restrict__ lse, const float *__restrict__ delta,
                                float *__restrict__ dk, float *__restrict__ dv, int nq, int nkv,
                                int heads, float scale, int causal) {
+  constexpr int LANES = row_lanes(D), Dp = D / LANES; /* Dp: the columns one thread owns */
   extern __shared__ float4 smem_bwd[];
   float *Kt = reinterpret_cast<float *>(smem_bwd), *Vt = Kt + D * Bc_bwd;
   float *Qs = Vt + D * Bc_bwd, *dOs = Qs + Br_bwd * D;
   float *lse_s = dOs + Br_bwd * D, *delta_s = lse_s + Br_bwd;
   int key_blocks = (nkv + Bc_bwd - 1) / Bc_bwd;
   long bh = blockIdx.x / key_blocks;
-  int j0 = (int)(blockIdx.x % key_blocks) * Bc_bwd, j = j0 + threadIdx.x;
+  int key = threadIdx.x / LANES, part = threadIdx.x % LANES;
+  int j0 = (int)(blockIdx.x % key_blocks) * Bc_bwd, j = j0 + key;
   int cols = min(Bc_bwd, nkv - j0), offset = nkv - nq;
   const float *K = k + (bh * nkv + j0) * D, *V = v + (bh * nkv + j0) * D;
   /* Coalesced reads of the K and V rows, written transposed. */
-  for (int e = threadIdx.x; e < Bc_bwd * D; e += Bc_bwd) {
+  for (int e = threadIdx.x; e < Bc_bwd * D; e += blockDim.x) {
     int row = e / D, c = e % D;
-    Kt[c * Bc_bwd + row] = row < cols ? K[e] : 0.f;
-    Vt[c * Bc_bwd + row] = row < cols ? V[e] : 0.f;
+    Kt[transposed_index<LANES>(c, row)] = row < cols ? K[e] : 0.f;
+    Vt[transposed_index<LANES>(c, row)] = row < cols ? V[e] : 0.f;
   }
-  float dk_acc[D], dv_acc[D];
+  float dk_acc[Dp], dv_acc[Dp];
 #pragma unroll
-  for (int c = 0; c < D; c++) dk_acc[c] = 0.f, dv_acc[c] = 0.f;
+  for (int c = 0; c < Dp; c++) dk_acc[c] = 0.f, dv_acc[c] = 0.f;
   /* Under the causal mask the first query that sees key j0 is j0 - offset: the query tiles
    * before it are skipped. */
   int i_begin = causal ? max(0, j0 - offset) : 0;
@@ -226,7 +253,7 @@ __global__ void __launch_bounds__(Bc_bwd)
     int rows = min(Br_bwd, nq - i0);
     __syncthreads(); /* WAR: every thread is done with the previous Q/dO tile (and, the first
                       * time, the K/V transpose is complete before anyone reads it) */
-    for (int e = threadIdx.x; e < rows * D; e += Bc_bwd) {
+    for (int e = threadIdx.x; e < rows * D; e += blockDim.x) {
       Qs[e] = q[(bh * nq + i0) * D + e];
       dOs[e] = d_o[(bh * nq + i0) * D + e];
     }
@@ -237,54 +264,58 @@ __global__ void __launch_bounds__(Bc_bwd)
     __syncthreads(); /* RAW: the Q/dO tile, LSE and D are in shared memory before use */
     for (int r = 0; r < rows; r++) {
       bool visible = j < nkv && (!causal || j <= i0 + r + offset);
+      const float *Q_r = Qs + r * D + part, *dO_r = dOs + r * D + part;
+      const float *K_j = Kt + key * LANES + part, *V_j = Vt + key * LANES + part;
       float s = 0.f, dp = 0.f;
 #pragma unroll
-      for (int c = 0; c < D; c++) s += Qs[r * D + c] * Kt[c * Bc_bwd + threadIdx.x];
+      for (int c = 0; c < Dp; c++) s += Q_r[c * LANES] * K_j[c * Bc_bwd * LANES];
+      s = sum_over_row_lanes<LANES>(s);
       /* P from the saved LSE; a masked entry is 0 (and exp is never asked for it, so a row
        * that sees no key, LSE = -inf, cannot make a NaN). */
       float prob = visible ? expf(scale * s - lse_s[r]) : 0.f;
 #pragma unroll
-      for (int c = 0; c < D; c++) {
-        dv_acc[c] += prob * dOs[r * D + c];
-        dp += dOs[r * D + c] * Vt[c * Bc_bwd + threadIdx.x];
+      for (int c = 0; c < Dp; c++) {
+        dv_acc[c] += prob * dO_r[c * LANES];
+        dp += dO_r[c * LANES] * V_j[c * Bc_bwd * LANES];
       }
-      float ds = prob * (dp - delta_s[r]);
+      float ds = prob * (sum_over_row_lanes<LANES>(dp) - delta_s[r]);
 #pragma unroll
-      for (int c = 0; c < D; c++) dk_acc[c] += ds * Qs[r * D + c];
+      for (int c = 0; c < Dp; c++) dk_acc[c] += ds * Q_r[c * LANES];
     }
   }
   if (j < nkv) {
 #pragma unroll
-    for (int c = 0; c < D; c++) {
-      dk[(bh * nkv + j) * D + c] = scale * dk_acc[c];
-      dv[(bh * nkv + j) * D + c] = dv_acc[c];
+    for (int c = 0; c < Dp; c++) {
+      dk[(bh * nkv + j) * D + c * LANES + part] = scale * dk_acc[c];
+      dv[(bh * nkv + j) * D + c * LANES + part] = dv_acc[c];
     }
   }
 }
 
-/* One thread per query row, the forward's grid and K/V tiles: dQ_i = scale sum_j dS_ij K_j
- * with dS_ij = P_ij (dO_i . V_j - D_i) recomputed key by key. */
+/* row_lanes(D) threads per query row, the forward's grid and K/V tiles:
+ * dQ_i = scale sum_j dS_ij K_j with dS_ij = P_ij (dO_i . V_j - D_i) recomputed key by key. */
 template <int D>
-__global__ void __launch_bounds__(Br)
+__global__ void __launch_bounds__(Br * row_lanes(D))
     flash_backward_dq_kernel(const float *__restrict__ q, const float *__restrict__ k,
                              const float *__restrict__ v, const float *__restrict__ d_o,
                              const float *__restrict__ lse, const float *__restrict__ delta,
                              float *__restrict__ dq, int nq, int nkv, int heads, float scale,
                              int causal) {
+  constexpr int LANES = row_lanes(D), Dp = D / LANES;
   extern __shared__ float4 smem[];
   float *Ks = reinterpret_cast<float *>(smem), *Vs = Ks + Bc * D;
   int row_blocks = (nq + Br - 1) / Br;
   long bh = causal ? blockIdx.x % heads : blockIdx.x / row_blocks;
   int i0 =
       (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) * Br;
-  int i = i0 + threadIdx.x;
+  int i = i0 + threadIdx.x / LANES, part = threadIdx.x % LANES;
   bool has_row = i < nq;
   const float *K = k + bh * nkv * D, *V = v + bh * nkv * D;
-  float q_row[D], do_row[D], dq_acc[D];
+  float q_row[Dp], do_row[Dp], dq_acc[Dp];
 #pragma unroll
-  for (int c = 0; c < D; c++) {
-    q_row[c] = has_row ? q[(bh * nq + i) * D + c] : 0.f;
-    do_row[c] = has_row ? d_o[(bh * nq + i) * D + c] : 0.f;
+  for (int c = 0; c < Dp; c++) {
+    q_row[c] = has_row ? q[(bh * nq + i) * D + c * LANES + part] : 0.f;
+    do_row[c] = has_row ? d_o[(bh * nq + i) * D + c * LANES + part] : 0.f;
     dq_acc[c] = 0.f;
   }
   float lse_i = has_row ? lse[bh * nq + i] : 0.f, delta_i = has_row ? delta[bh * nq + i] : 0.f;
@@ -295,22 +326,27 @@ __global__ void __launch_bounds__(Br)
     int row_cols = causal ? max(0, min(cols, i + offset + 1 - j0)) : cols;
     load_kv_tile<D>(K + (long)j0 * D, V + (long)j0 * D, cols, Ks, Vs);
     __syncthreads(); /* RAW: the whole tile is in shared memory before any row reads it */
-    for (int j = 0; j < row_cols; j++) {
+    /* Every thread runs all cols keys (the shuffles need the whole warp); the keys past
+     * its row's row_cols get dS = 0, and exp is never asked for them. */
+    for (int j = 0; j < cols; j++) {
+      const float *K_j = Ks + j * D + part, *V_j = Vs + j * D + part;
       float s = 0.f, dp = 0.f;
 #pragma unroll
-      for (int c = 0; c < D; c++) {
-        s += q_row[c] * Ks[j * D + c];
-        dp += do_row[c] * Vs[j * D + c];
+      for (int c = 0; c < Dp; c++) {
+        s += q_row[c] * K_j[c * LANES];
+        dp += do_row[c] * V_j[c * LANES];
       }
-      float ds = expf(scale * s - lse_i) * (dp - delta_i);
+      s = sum_over_row_lanes<LANES>(s);
+      dp = sum_over_row_lanes<LANES>(dp);
+      float ds = j < row_cols ? expf(scale * s - lse_i) * (dp - delta_i) : 0.f;
 #pragma unroll
-      for (int c = 0; c < D; c++) dq_acc[c] += ds * Ks[j * D + c];
+      for (int c = 0; c < Dp; c++) dq_acc[c] += ds * K_j[c * LANES];
     }
     __syncthreads(); /* WAR: every row is done with the tile before the next load overwrites it */
   }
   if (has_row) {
 #pragma unroll
-    for (int c = 0; c < D; c++) dq[(bh * nq + i) * D + c] = scale * dq_acc[c];
+    for (int c = 0; c < Dp; c++) dq[(bh * nq + i) * D + c * LANES + part] = scale * dq_acc[c];
   }
 }
 
@@ -326,14 +362,14 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   attn_require_shared_memory((const void *)flash_backward_dkdv_kernel<D>, dkdv_bytes(D),
                              "flash_backward_dkdv_kernel");
   unsigned key_blocks = (unsigned)((p->seq_kv + Bc_bwd - 1) / Bc_bwd * heads);
-  flash_backward_dkdv_kernel<D><<<key_blocks, Bc_bwd, dkdv_bytes(D)>>>(
+  flash_backward_dkdv_kernel<D><<<key_blocks, Bc_bwd * row_lanes(D), dkdv_bytes(D)>>>(
       (const float *)t->q, (const float *)t->k, (const float *)t->v, (const float *)t->d_o, t->lse,
       delta, (float *)t->dk, (float *)t->dv, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_backward_dkdv_kernel");
   attn_require_shared_memory((const void *)flash_backward_dq_kernel<D>, tile_bytes(D),
                              "flash_backward_dq_kernel");
   unsigned row_blocks = (unsigned)((p->seq_q + Br - 1) / Br * heads);
-  flash_backward_dq_kernel<D><<<row_blocks, Br, tile_bytes(D)>>>(
+  flash_backward_dq_kernel<D><<<row_blocks, Br * row_lanes(D), tile_bytes(D)>>>(
       (const float *)t->q, (const float *)t->k, (const float *)t->v, (const float *)t->d_o, t->lse,
       delta, (float *)t->dq, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_backward_dq_kernel");

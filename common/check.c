@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "baseline.h"
 #include "check.h"
 #include "reference.h"
 
@@ -30,6 +31,37 @@ static double *widen(const float *x, size_t n) {
   double *y = attn_host_alloc(n * sizeof(double), "reference inputs");
   for (size_t i = 0; i < n; i++) y[i] = x[i];
   return y;
+}
+
+/* ---- the half-precision rule (CONVENTIONS.md section 3) ---------------------------------
+ * A half-precision output cannot be compared with the float64 reference at fp32 accuracy:
+ * rounding P or dS to 8 or 11 bits costs more than any kernel bug worth catching. So the
+ * stage's error may be at most `m` times the error of the plain same-precision baseline
+ * (common/baseline.c) on the same rounded inputs, plus a floor for outputs whose baseline
+ * happens to be exact (twice the worst error of one round trip through x + 0.3 in the
+ * dtype); O also has a hard cap, so that a broken baseline cannot excuse a broken stage. */
+enum { M_OUTPUT = 2, M_DKDV = 3, M_DQ = 4 };
+/* The hard cap on O, per unit of max(1, max|V|) (O is a weighted mean of V rows, so its
+ * rounding error grows with them; the caps are FlashAttention's for unit-normal inputs). */
+#define O_CAP_FP16 4e-3
+#define O_CAP_BF16 2e-2
+/* The fp32 rule's base for LSE, which every stage computes in fp32. */
+#define LSE_REL_FP32 2e-6
+
+static double rounding_floor(const double *ref, size_t n, attn_dtype t) {
+  double worst = 0;
+  for (size_t e = 0; e < n; e++) {
+    float x = attn_round_to_dtype((float)ref[e], t);
+    float y = attn_round_to_dtype(attn_round_to_dtype(x + 0.3f, t) - 0.3f, t);
+    worst = fmax(worst, fabs((double)y - x));
+  }
+  return 2 * worst;
+}
+
+static double max_error_of(const float *got, const double *want, size_t n) {
+  double worst = 0;
+  for (size_t e = 0; e < n; e++) worst = fmax(worst, fabs(got[e] - want[e]));
+  return worst;
 }
 
 static double max_abs(const float *x, size_t n) {
@@ -118,7 +150,19 @@ void attn_check_forward(const attn_check_inputs *in, const float *o, const float
   reference_forward_rows(p, q, k, v, rows, n_rows, o_ref, lse_ref, &max_s);
 
   double max_v = max_abs(in->v, attn_kv_elems(p));
-  double o_tol = 2e-6 * fmax(1, max_s) * fmax(1, max_v), lse_tol = 2e-6 * fmax(1, max_s);
+  double o_tol = 2e-6 * fmax(1, max_s) * fmax(1, max_v), lse_tol = LSE_REL_FP32 * fmax(1, max_s);
+  if (p->dtype != DTYPE_FP32) {
+    float *o_base = attn_host_alloc(sizeof(float) * (size_t)n_rows * d, "baseline O");
+    float *lse_base = attn_host_alloc(sizeof(float) * (size_t)n_rows, "baseline LSE");
+    baseline_forward_rows(p, in->q, in->k, in->v, rows, n_rows, o_base, lse_base);
+    double base_o = max_error_of(o_base, o_ref, (size_t)n_rows * d), base_lse = 0;
+    for (long n = 0; n < n_rows; n++)
+      if (isfinite(lse_ref[n])) base_lse = fmax(base_lse, fabs(lse_base[n] - lse_ref[n]));
+    double cap = (p->dtype == DTYPE_BF16 ? O_CAP_BF16 : O_CAP_FP16) * fmax(1, max_v);
+    o_tol = fmin(M_OUTPUT * base_o + rounding_floor(o_ref, (size_t)n_rows * d, p->dtype), cap);
+    lse_tol = M_OUTPUT * base_lse + lse_tol;
+    free(o_base), free(lse_base);
+  }
 
   max_error eo = {0, -1, 0, 0}, el = {0, -1, 0, 0}, ea = {0, -1, 0, 0};
   for (long n = 0; n < n_rows; n++) {
@@ -150,6 +194,17 @@ void attn_check_forward(const attn_check_inputs *in, const float *o, const float
   free(rows), free(q), free(k), free(v), free(o_ref), free(lse_ref);
 }
 
+int attn_check_finite(const attn_check_inputs *in, const float *o, const float *lse,
+                      const float *dq, const float *dk, const float *dv) {
+  const attn_problem *p = in->p;
+  int d = p->head_dim, ok = all_finite(in, "O", o, attn_q_elems(p), d);
+  if (in->saves_lse) ok &= lse_well_formed(in, lse);
+  if (dq) ok &= all_finite(in, "dQ", dq, attn_q_elems(p), d);
+  if (dk) ok &= all_finite(in, "dK", dk, attn_kv_elems(p), d);
+  if (dv) ok &= all_finite(in, "dV", dv, attn_kv_elems(p), d);
+  return ok;
+}
+
 void attn_check_backward(const attn_check_inputs *in, const float *o, const float *lse,
                          const float *dq, const float *dk, const float *dv, double *err,
                          double *tol, int *ok) {
@@ -178,17 +233,26 @@ void attn_check_backward(const attn_check_inputs *in, const float *o, const floa
   const float *got[3] = {dq, dk, dv};
   size_t counts[3] = {nq, nkv, nkv};
   int rows[3] = {p->seq_q, p->seq_kv, p->seq_kv};
+  const int m_factor[3] = {M_DQ, M_DKDV, M_DKDV};
+  float *base[3] = {NULL, NULL, NULL};
+  if (p->dtype != DTYPE_FP32) {
+    for (int g = 0; g < 3; g++) base[g] = attn_host_alloc(counts[g] * sizeof(float), "baseline");
+    baseline_backward(p, in->q, in->k, in->v, in->d_o, base[0], base[1], base[2]);
+  }
   *ok = 1, *err = 0, *tol = 1;
   for (int g = 0; g < 3; g++) {
     if (!all_finite(in, names[g], got[g], counts[g], p->head_dim)) *ok = 0;
     double max_ref = 0;
     for (size_t e = 0; e < counts[g]; e++) max_ref = fmax(max_ref, fabs(ref[g][e]));
     double g_tol = 2e-5 * fmax(1, max_s) * fmax(1, max_ref);
+    if (base[g])
+      g_tol = m_factor[g] * max_error_of(base[g], ref[g], counts[g]) +
+              rounding_floor(ref[g], counts[g], p->dtype);
     max_error m = {0, -1, 0, 0};
     for (size_t e = 0; e < counts[g]; e++) track(&m, (long)e, got[g][e], ref[g][e]);
     if (!(m.err <= g_tol)) *ok = 0, report(in, names[g], &m, g_tol, rows[g], p->head_dim);
     if (g == 0 || !(m.err / g_tol <= *err / *tol)) *err = m.err, *tol = g_tol;
   }
   free(q), free(k), free(v), free(d_o), free(o_ref), free(lse_ref);
-  for (int g = 0; g < 3; g++) free(ref[g]);
+  for (int g = 0; g < 3; g++) free(ref[g]), free(base[g]);
 }

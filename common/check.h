@@ -25,6 +25,11 @@ void attn_check_backward(const attn_check_inputs *in, const float *o, const floa
                          const float *dq, const float *dk, const float *dv, double *err,
                          double *tol, int *ok);
 
+/* Only that every output is finite and LSE is -inf exactly on the rows that see no key
+ * (dq, dk, dv may be NULL): for inputs so large that no fp32 result can be compared. */
+int attn_check_finite(const attn_check_inputs *in, const float *o, const float *lse,
+                      const float *dq, const float *dk, const float *dv);
+
 #ifdef __cplusplus
 }
 #endif

@@ -35,7 +35,7 @@ typedef struct {
   int given_batch, given_heads, given_seq_q, given_seq_kv, given_dim, given_scale;
   int given_check;
   uint64_t seed;
-  int check, bench, backward;
+  int check, bench, backward, check_finite;
   const char *load_dir, *save_dir, *tsv_path;
   input_pattern pattern;
   double input_scale;
@@ -57,6 +57,8 @@ static void usage(const attn_stage *s) {
       "      --dtype T      fp32|fp16|bf16 (stages that have it)\n"
       "      --check        compare with the float64 reference, exit 1 on a mismatch\n"
       "                     (on by default unless --bench is given)\n"
+      "      --check-finite only check that every output is finite, LSE -inf exactly on\n"
+      "                     rows that see no key (for inputs beyond fp32's precision)\n"
       "      --bench        warm up, repeat, report the median time and TFLOP/s\n"
       "      --backward     also run and check the backward (from stage 06_backward)\n"
       "      --load DIR     read q.npy, k.npy, v.npy (do.npy) from DIR; sizes not given\n"
@@ -127,7 +129,11 @@ static void parse_options(const attn_stage *s, int argc, char **argv, options *o
   o->p.heads = DEFAULT_HEADS;
   o->p.seq_q = o->p.seq_kv = DEFAULT_SEQ;
   o->p.head_dim = DEFAULT_DIM;
-  o->p.dtype = DTYPE_FP32;
+  /* The stage's first dtype: fp32, or fp16 for the tensor-core stage. */
+  unsigned dtypes = s->dtypes ? s->dtypes : DTYPE_BIT(DTYPE_FP32);
+  o->p.dtype = dtypes & DTYPE_BIT(DTYPE_FP32) ? DTYPE_FP32
+               : dtypes & DTYPE_BIT(DTYPE_FP16) ? DTYPE_FP16
+                                                 : DTYPE_BF16;
   o->seed = DEFAULT_SEED;
   o->input_scale = 1;
   int seq_given = 0;
@@ -170,6 +176,8 @@ static void parse_options(const attn_stage *s, int argc, char **argv, options *o
         o->p.dtype = DTYPE_BF16;
       else
         attn_fail(EXIT_BAD_USAGE, "--dtype must be fp32, fp16 or bf16, got '%s'", v);
+    } else if (match(a, NULL, "--check-finite", 0, argc, argv, &i, &v)) {
+      o->check_finite = 1;
     } else if (match(a, NULL, "--check", 0, argc, argv, &i, &v)) {
       o->check = o->given_check = 1;
     } else if (match(a, NULL, "--bench", 0, argc, argv, &i, &v)) {
@@ -203,7 +211,7 @@ static void parse_options(const attn_stage *s, int argc, char **argv, options *o
     if (!o->given_seq_q) o->p.seq_q = seq_given, o->given_seq_q = 1;
     if (!o->given_seq_kv) o->p.seq_kv = seq_given, o->given_seq_kv = 1;
   }
-  if (!o->bench) o->check = 1; /* a plain run always checks */
+  if (!o->bench && !o->check_finite) o->check = 1; /* a plain run always checks */
 }
 
 /* What the stage supports; every refusal names what would work. */
@@ -565,6 +573,14 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
       bwd.checked = 1;
       failed |= !bwd.ok;
     }
+  }
+
+  if (o.check_finite) {
+    int ok = attn_check_finite(&ci, o_host, lse_host, grads[0], grads[1], grads[2]);
+    printf("%s: every output finite%s: %s\n", s->name,
+           s->saves_lse ? ", LSE -inf exactly on the rows that see no key" : "",
+           ok ? "yes" : "NO");
+    failed |= !ok;
   }
 
   int warmups = o.bench ? s->device->bench_warmups : s->device->quick_warmups;

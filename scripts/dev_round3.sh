@@ -1,0 +1,12 @@
+export PATH=$PATH:/usr/local/cuda/bin
+cmake -S . -B build-gpu -DCMAKE_BUILD_TYPE=Release >/dev/null && cmake --build build-gpu -j16 --target 07_tensor_cores > $OUT/build.log 2>&1 || tail -30 $OUT/build.log
+B=build-gpu/bin
+L="build-gpu/common/libattn_gpu.a build-gpu/common/libattn_common.a -lm"
+V=07_tensor_cores/attention.cu
+nvcc -O3 -std=c++17 -arch=sm_90 -Icommon -DATTN_SKEW=0 $V $L -o /tmp/skew0 &
+sed 's/^constexpr int Warps = 4;/constexpr int Warps = 8;/' $V > /tmp/fw8.cu && nvcc -O3 -std=c++17 -arch=sm_90 -Icommon -I07_tensor_cores /tmp/fw8.cu $L -o /tmp/fw8 &
+sed 's/^constexpr int Warps_bwd = 4;/constexpr int Warps_bwd = 8;/' $V > /tmp/bw8.cu && nvcc -O3 -std=c++17 -arch=sm_90 -Icommon /tmp/bw8.cu $L -o /tmp/bw8 &
+timeout 240 ctest --test-dir build-gpu -R '^07_' -L gpu -LE sanitizer -j 16 --output-on-failure > $OUT/ctest.log 2>&1; grep -E "tests passed|Failed|\*\*\*" $OUT/ctest.log | head -20
+wait
+for d in 64 128; do for v in $B/07_tensor_cores /tmp/skew0 /tmp/fw8 /tmp/bw8; do for dt in fp16 bf16; do echo "== $v"; $v --bench --backward --dtype $dt -b 4 -H $((2048/d)) -n 4096 -d $d | sed -E "s/ +/ /g" | cut -d"|" -f1,3,4; done; done; done
+timeout 200 ctest --test-dir build-gpu -R '^07_' -L sanitizer -j 8 --output-on-failure > $OUT/san.log 2>&1; grep -E "tests passed|Failed|\*\*\*|ERROR SUMMARY" $OUT/san.log | head -20
