@@ -12,6 +12,13 @@ if(Python3_Interpreter_FOUND)
             --out ${CMAKE_BINARY_DIR}/tour
     DEPENDS ${stages} ${ATTN_EXTRA_PROGRAMS} USES_TERMINAL
     COMMENT "The tour: every stage on its default problem, the CPU sweep, the plots")
+  # The benchmark: the sweep of every stage this machine can run (and PyTorch's SDPA
+  # backends where PyTorch can run), rows into docs/results/<device>/, then the plots and
+  # the README's results table.
+  add_custom_target(bench
+    COMMAND ${Python3_EXECUTABLE} ${ATTN_SCRIPTS}/bench.py --bin ${ATTN_BIN_DIR}
+    DEPENDS ${stages} ${ATTN_EXTRA_PROGRAMS} USES_TERMINAL
+    COMMENT "The benchmark sweep: rows into docs/results/<device>/, plots, README table")
   add_custom_target(plots
     COMMAND ${Python3_EXECUTABLE} ${ATTN_SCRIPTS}/plots.py --results ${CMAKE_BINARY_DIR}/tour/sweep
             --out ${CMAKE_BINARY_DIR}/tour/plots

@@ -71,27 +71,92 @@ def by_stage(rows, **where):
     return out
 
 
-def draw(result_dirs, out_dir):
+LADDER_N, LADDER_D = "4096", "64"
+
+
+def predecessor(stage):
+    order = attn.STAGES
+    return order[order.index(stage) - 1] if stage in order and order.index(stage) > 0 else None
+
+
+def ladder(rows, out_dir, prefix, only):
+    """Forward TFLOP/s of every stage at N = 4096, d = 64 (log scale), PyTorch's SDPA
+    backends as reference lines. CPU stages: one head; GPU stages: H = 32, B = 4."""
+    bars, lines = [], []
+    for r in rows:
+        if r["direction"] != "fwd" or r["Nq"] != LADDER_N or r["d"] != LADDER_D or \
+                r["causal"] != "0" or r["Nkv"] != LADDER_N:
+            continue
+        if r["cuda"] != "-" and int(r["B"]) * int(r["Nq"]) != 16384:
+            continue
+        name = r["stage"] + ("" if r["dtype"] == "fp32" else f" {r['dtype']}")
+        if r["stage"].startswith("sdpa_"):
+            if r["stage"] != "sdpa_math":
+                lines.append((f"PyTorch {name}", float(r["tflops"])))
+        elif not only or r["stage"] in only:
+            bars.append((name, float(r["tflops"]), r))
+    order = {s: k for k, s in enumerate(attn.STAGES + attn.BASELINES)}
+    bars.sort(key=lambda b: (order.get(b[2]["stage"], 99), b[0]))
+    if not bars:
+        return None
+    path = os.path.join(out_dir, f"{prefix}ladder.png")
+    data_dir = os.path.splitext(path)[0] + "_data"
+    os.makedirs(data_dir, exist_ok=True)
+    with open(os.path.join(data_dir, "bars.dat"), "w") as f:
+        for k, (name, tf, _) in enumerate(bars):
+            f.write(f"{k}\t{tf}\t\"{name}\"\n")
+    rel = os.path.relpath(os.path.join(data_dir, "bars.dat"), out_dir)
+    plotted = [f"'{rel}' using 1:2:xtic(3) with boxes fs solid 0.7 lc rgb '#1b9e77' notitle",
+               f"'{rel}' using 1:($2*1.15):(sprintf('%.3g', $2)) with labels notitle"]
+    lines.sort(key=lambda x: -x[1])
+    for k, (name, y) in enumerate(lines):
+        plotted.append(f"{y} with lines dt 2 lw 2 lc rgb '{COLORS[(k + 1) % 10]}' "
+                       f"title '{name} {y:.0f}' noenhanced")
+    gp = os.path.splitext(path)[0] + ".gp"
+    with open(gp, "w") as f:
+        f.write("set terminal pngcairo size 1100,640 font 'sans,11'\n")
+        f.write(f"set output '{os.path.basename(path)}'\n")
+        f.write(f"set title \"The ladder: forward TFLOP/s at N = {LADDER_N}, d = {LADDER_D} "
+                f"(CPU: 1 head; GPU: H = 32, B = 4)\\n{{/*0.8 {stamp([b[2] for b in bars])}}}\"\n")
+        f.write("set ylabel 'TFLOP/s (log scale)'\nset logscale y\nset grid ytics\n")
+        f.write("set boxwidth 0.6\nset xtics rotate by -30 noenhanced\nset key top left\n")
+        f.write(f"set xrange [-0.6:{len(bars) - 0.4}]\n")
+        f.write("plot " + ", \\\n     ".join(plotted) + "\n")
+    return gp
+
+
+def draw(result_dirs, out_dir, stage=None, cpu_plots=True):
+    """Every plot, or with `stage` the per-stage form: that stage beside its predecessor."""
     os.makedirs(out_dir, exist_ok=True)
     rows = []
     for d in result_dirs:
         rows += attn.read_rows(*sorted(glob.glob(os.path.join(d, "*.tsv"))))
-    scripts = []
-    cpu = [r for r in rows if r["cuda"] == "-" and r["direction"] == "fwd"]
-    if cpu:
+    only = {stage, predecessor(stage)} - {None} if stage else None
+    prefix = f"{stage}_" if stage else ""
+
+    def keep(name):
+        return not only or name.split(" ")[0] in only
+
+    rows_all = rows
+    rows = [r for r in rows if keep(r["stage"]) or r["stage"].startswith("sdpa_")]
+    scripts = [ladder(rows_all, out_dir, prefix, only)]
+    cpu = [r for r in rows if r["cuda"] == "-" and r["direction"] == "fwd"] if cpu_plots else []
+    if cpu and (not only or any(keep(r["stage"]) for r in cpu)):
         st = stamp(cpu)
         groups = by_stage(cpu, H="1", B="1", d="64")
         scripts.append(gnuplot_file(
-            os.path.join(out_dir, "cpu_time.png"), "CPU stages: forward time (1 head, d = 64)",
+            os.path.join(out_dir, f"{prefix}cpu_time.png"), "CPU stages: forward time (1 head, d = 64)",
             "N (sequence length)", "median time (ms)",
             [(s, [(int(r["Nq"]), float(r["ms"])) for r in g]) for s, g in groups.items()], st))
         scripts.append(gnuplot_file(
-            os.path.join(out_dir, "cpu_workspace.png"),
+            os.path.join(out_dir, f"{prefix}cpu_workspace.png"),
             "CPU stages: workspace (1 head, d = 64)", "N (sequence length)",
             "workspace (bytes)",
             [(s, [(int(r["Nq"]), int(r["workspace_bytes"])) for r in g])
              for s, g in groups.items()], st))
     gpu = [r for r in rows if r["cuda"] != "-"]
+    if only and not any(keep(r["stage"]) for r in gpu):
+        gpu = []
     for direction in ("fwd", "bwd"):
         for d in ("64", "128"):
             for causal in ("0", "1"):
@@ -102,8 +167,11 @@ def draw(result_dirs, out_dir):
                 groups = {}
                 for r in sel:
                     key = r["stage"] + ("" if r["dtype"] == "fp32" else f" {r['dtype']}")
+                    if r["stage"].startswith("sdpa_") and (
+                            r["stage"] == "sdpa_math" or r["dtype"] == "bf16"):
+                        continue  # fewer lines: math is the slow path, bf16 ~ fp16
                     groups.setdefault(key, []).append(r)
-                name = f"gpu_{direction}_d{d}{'_causal' if causal == '1' else ''}.png"
+                name = f"{prefix}gpu_{direction}_d{d}{'_causal' if causal == '1' else ''}.png"
                 scripts.append(gnuplot_file(
                     os.path.join(out_dir, name),
                     f"GPU {'forward' if direction == 'fwd' else 'backward'}, d = {d}, "
@@ -112,11 +180,12 @@ def draw(result_dirs, out_dir):
                     [(s, [(int(r["Nq"]), float(r["tflops"])) for r in g])
                      for s, g in sorted(groups.items())], stamp(sel), logy=True))
         sel = [r for r in gpu if r["direction"] == "fwd" and r["d"] == "64" and r["causal"] == "0"
-               and r["dtype"] in ("fp32", "fp16") and r["B"] == "1" and r["H"] == "32"]
+               and r["dtype"] in ("fp32", "fp16") and r["B"] == "1" and r["H"] == "32"
+               and not r["stage"].startswith("sdpa_")]
         if direction == "fwd" and sel:
             groups = by_stage(sel)
             scripts.append(gnuplot_file(
-                os.path.join(out_dir, "gpu_memory.png"),
+                os.path.join(out_dir, f"{prefix}gpu_memory.png"),
                 "GPU device memory, forward, d = 64 (B = 1, H = 32)",
                 "N (sequence length)", "device bytes (inputs, outputs, workspace)",
                 [(s, [(int(r["Nq"]), int(r["device_bytes"])) for r in g])
@@ -136,8 +205,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--results", nargs="+", required=True, help="folders of .tsv rows")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--stage", help="the per-stage form: this stage beside its predecessor")
     a = ap.parse_args()
-    draw(a.results, a.out)
+    draw(a.results, a.out, a.stage)
 
 
 if __name__ == "__main__":

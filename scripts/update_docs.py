@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""Regenerates the generated parts of the docs from the committed rows and sources, never by
+hand: the README's results table (between <!-- results:begin --> and <!-- results:end -->)
+and ARCHITECTURE.md's table of consecutive-stage diffs (<!-- diffs:begin/end -->).
+
+  python3 scripts/update_docs.py          # rewrite both in place
+  python3 scripts/update_docs.py --check  # exit 1 if either is stale
+"""
+import argparse
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import attn
+from plots import human_bytes
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+N, D = "4096", "64"  # the table's size: FlashAttention's convention, H = 2048/d, B = 16384/N
+
+
+def source_of(root, stage):
+    hits = glob.glob(os.path.join(root, stage, "attention.c*"))
+    return hits[0] if hits else None
+
+
+def idea_of(root, stage):
+    src = source_of(root, stage) or os.path.join(root, "common", f"{stage}.cu")
+    if not os.path.exists(src):
+        return ""
+    m = re.search(r'attn_stage stage = \{\s*(?:\.name = )?"[^"]+",\s*(?:\.idea = )?"([^"]+)"',
+                  open(src).read())
+    return m.group(1) if m else ""
+
+
+def pick(rows, **where):
+    hits = [r for r in rows if all(r.get(k) == v for k, v in where.items())]
+    return hits[0] if hits else None
+
+
+def results_table(root):
+    docs = os.path.join(root, "docs", "results")
+    folders = sorted(glob.glob(os.path.join(docs, "*/")))
+    cpu_dirs = [f for f in folders if os.path.basename(f.rstrip("/")).startswith("cpu-")]
+    gpu_dirs = [f for f in folders if f not in cpu_dirs]
+    # The H100 rows when there are some (the project's target), else the first GPU folder.
+    gpu_dirs.sort(key=lambda f: "h100" not in f)
+    cpu = attn.read_rows(*(os.path.join(f, "cpu.tsv") for f in cpu_dirs[:1]))
+    gpu = attn.read_rows(*(os.path.join(f, "gpu.tsv") for f in gpu_dirs[:1]))
+    lines = []
+    if gpu:
+        g = gpu[0]
+        lines.append(f"GPU rows: {g['device']} ({g['units']} SMs), CUDA {g['cuda']}, {g['date']}, "
+                     f"from [`{os.path.relpath(gpu_dirs[0], root).rstrip('/')}/gpu.tsv`]"
+                     f"({os.path.relpath(gpu_dirs[0], root).rstrip('/')}/gpu.tsv).")
+    if cpu:
+        c = cpu[0]
+        lines.append(f"CPU rows: {c['device']}, one core, {c['date']}, from "
+                     f"[`{os.path.relpath(cpu_dirs[0], root).rstrip('/')}/cpu.tsv`]"
+                     f"({os.path.relpath(cpu_dirs[0], root).rstrip('/')}/cpu.tsv).")
+    lines += ["", f"Forward and backward TFLOP/s at N = {N}, non-causal (GPU: H = 2048/d, "
+              f"B = 16384/N; CPU: one head, d = 64); % of PyTorch's SDPA flash backend (fp16, "
+              f"same GPU, same run as its rows); memory: CPU workspace at N = 8192, GPU device "
+              f"memory at N = 16384 (B = 1, H = 32, d = 64).", "",
+              "| stage | idea | dtype | fwd d=64 | fwd d=128 | bwd d=64 | bwd d=128 "
+              "| % of SDPA flash (fwd d=64 / d=128) | memory |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    flash = {d: pick(gpu, stage="sdpa_flash", dtype="fp16", direction="fwd", Nq=N, d=d,
+                     causal="0") for d in ("64", "128")}
+
+    def tf(r):
+        if not r:
+            return "-"
+        x = float(r["tflops"])
+        return f"{x:.3g}" if x >= 0.1 else f"{x * 1e3:.3g} G"
+
+    for stage in attn.STAGES + attn.BASELINES:
+        kind_rows = cpu if stage in attn.STAGES[:3] else gpu
+        dtypes = sorted({r["dtype"] for r in kind_rows if r["stage"] == stage},
+                        key=["fp32", "fp16", "bf16"].index)
+        for dtype in dtypes:
+            rows = [r for r in kind_rows if r["stage"] == stage and r["dtype"] == dtype]
+            cells = {}
+            for direction in ("fwd", "bwd"):
+                for d in ("64", "128"):
+                    where = dict(direction=direction, Nq=N, Nkv=N, d=d, causal="0")
+                    if kind_rows is gpu:
+                        where["B"] = str(16384 // int(N))
+                    cells[direction, d] = pick(rows, **where)
+            pct = []
+            for d in ("64", "128"):
+                r, f = cells["fwd", d], flash[d]
+                pct.append(f"{100 * float(r['tflops']) / float(f['tflops']):.1f}%"
+                           if r and f else "-")
+            if kind_rows is cpu:
+                m = pick(rows, direction="fwd", Nq="8192", d="64")
+                memory = f"{human_bytes(int(m['workspace_bytes']))} workspace" if m else "-"
+            else:
+                m = pick(rows, direction="fwd", Nq="16384", d="64", B="1", H="32", causal="0")
+                memory = human_bytes(int(m["device_bytes"])) if m else "-"
+            name = f"[`{stage}`]({stage}/)" if stage in attn.STAGES else f"`{stage}`"
+            lines.append(f"| {name} | {idea_of(root, stage)}"
+                         f" | {dtype} | {tf(cells['fwd', '64'])} | {tf(cells['fwd', '128'])} "
+                         f"| {tf(cells['bwd', '64'])} | {tf(cells['bwd', '128'])} "
+                         f"| {' / '.join(pct)} | {memory} |")
+    for name in ("flash", "cudnn", "efficient"):
+        rows = [r for r in gpu if r["stage"] == f"sdpa_{name}" and r["dtype"] == "fp16"]
+        if not rows:
+            continue
+        c = {(di, d): pick(rows, direction=di, Nq=N, d=d, causal="0")
+             for di in ("fwd", "bwd") for d in ("64", "128")}
+        lines.append(f"| PyTorch SDPA `{name}` | reference | fp16 | {tf(c['fwd', '64'])} "
+                     f"| {tf(c['fwd', '128'])} | {tf(c['bwd', '64'])} | {tf(c['bwd', '128'])} "
+                     f"| | |")
+    return "\n".join(lines)
+
+
+def diff_table(root):
+    lines = ["| from | to | command | changed lines |", "|---|---|---|---|"]
+    stages = attn.STAGES
+    for a, b in zip(stages, stages[1:]):
+        sa, sb = source_of(root, a), source_of(root, b)
+        if not sa or not sb:
+            continue
+        ra, rb = os.path.relpath(sa, root), os.path.relpath(sb, root)
+        out = subprocess.run(["diff", "-u", ra, rb], cwd=root, capture_output=True,
+                             text=True).stdout.splitlines()
+        changed = sum(1 for x in out if x[:1] in "+-" and not x.startswith(("+++", "---")))
+        note = "" if changed <= 200 else " (over 200: see the stage README)"
+        lines.append(f"| `{a}` | `{b}` | `diff -u {ra} {rb}` | {changed}{note} |")
+    return "\n".join(lines)
+
+
+def replace_between(path, tag, text, check):
+    s = open(path).read()
+    begin, end = f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
+    if begin not in s or end not in s:
+        print(f"update_docs: {path} has no {begin} ... {end} markers", file=sys.stderr)
+        return False
+    new = s[:s.index(begin) + len(begin)] + "\n" + text + "\n" + s[s.index(end):]
+    if new == s:
+        return True
+    if check:
+        print(f"update_docs: {os.path.relpath(path, ROOT)}: the {tag} table is stale "
+              f"(run python3 scripts/update_docs.py)", file=sys.stderr)
+        return False
+    open(path, "w").write(new)
+    print(f"update_docs: rewrote the {tag} table in {os.path.relpath(path, ROOT)}")
+    return True
+
+
+def update(root, check=False):
+    ok = replace_between(os.path.join(root, "README.md"), "results", results_table(root), check)
+    ok &= replace_between(os.path.join(root, "ARCHITECTURE.md"), "diffs", diff_table(root), check)
+    return ok
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true")
+    sys.exit(0 if update(ROOT, ap.parse_args().check) else 1)
