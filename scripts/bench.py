@@ -62,6 +62,8 @@ def main():
     ap.add_argument("--stages", nargs="*", help="only these stages (default: all)")
     ap.add_argument("--budget", type=float, default=0, help="seconds per sweep (0: no limit)")
     ap.add_argument("--no-pytorch", action="store_true", help="skip the PyTorch comparison")
+    ap.add_argument("--pytorch-budget", type=float, default=0,
+                    help="seconds for PyTorch's sweep (0: no limit)")
     a = ap.parse_args()
     stages = [s for s in attn.find_stages(a.bin) if not a.stages or s.name in a.stages]
     tmp = tempfile.mkdtemp(prefix="bench_")
@@ -83,7 +85,7 @@ def main():
         swept = {s.name for s in group}
         if kind == "gpu" and not a.no_pytorch and (not a.stages or "pytorch" in a.stages):
             r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compare_pytorch.py"),
-                                "--bin", a.bin, "--out", fresh, "--budget", str(a.budget)])
+                                "--bin", a.bin, "--out", fresh, "--budget", str(a.pytorch_budget)])
             if attn.read_rows(os.path.join(fresh, "gpu.tsv")) and any(
                     r["stage"].startswith("sdpa_") for r in attn.read_rows(
                         os.path.join(fresh, "gpu.tsv"))):
