@@ -50,9 +50,24 @@ def fmt_time(s):
     return f"{s // 60}m{s % 60:02d}s"
 
 
-def run(stages, out_dir, log=sys.stderr, budget=0):
+def key_of_args(stage, args):
+    """(stage, dtype, B, H, N, d, causal) of a point, to match it with a result row."""
+    v = dict(zip(args[::2], args[1::2]))
+    return (stage, v.get("--dtype", "fp32"), v["-b"], v["-H"], v["-n"], v["-d"],
+            "1" if "--causal" in args else "0")
+
+
+def key_of_row(r):
+    return (r["stage"], r["dtype"], r["B"], r["H"], r["Nq"], r["d"], r["causal"])
+
+
+def run(stages, out_dir, log=sys.stderr, budget=0, skip_done=None):
+    """skip_done: a TSV whose points are not run again (to finish a sweep a budget cut)."""
     os.makedirs(out_dir, exist_ok=True)
-    todo = [(s, a) for s in stages for a in points(s)]
+    done = {key_of_row(r) for r in attn.read_rows(skip_done)} if skip_done else set()
+    todo = [(s, a) for s in stages for a in points(s)
+            if key_of_args(s.name, [x for x in a if x != "--causal" and x != "--backward"] +
+                           (["--causal"] if "--causal" in a else [])) not in done]
     t0, failures = time.time(), 0
     for k, (stage, args) in enumerate(todo):
         elapsed = time.time() - t0
@@ -85,10 +100,11 @@ def main():
     ap.add_argument("--stages", nargs="*", help="only these stages")
     ap.add_argument("--budget", type=float, default=0,
                     help="seconds after which no new point starts (0: no limit)")
+    ap.add_argument("--skip-done", help="a TSV of rows whose points are not run again")
     a = ap.parse_args()
     stages = [s for s in attn.find_stages(a.bin)
               if (a.kind == "all" or s.kind == a.kind) and (not a.stages or s.name in a.stages)]
-    sys.exit(1 if run(stages, a.out, budget=a.budget) else 0)
+    sys.exit(1 if run(stages, a.out, budget=a.budget, skip_done=a.skip_done) else 0)
 
 
 if __name__ == "__main__":
