@@ -24,3 +24,5 @@ mkdir -p build/profile
   --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
   --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
   --export "build/profile/$stage" --force-overwrite "$bin/$stage" "$@"
+# The numbers themselves, from the report just written.
+"$ncu" --import "build/profile/$stage.ncu-rep" --page details
