@@ -220,7 +220,7 @@ __device__ int transposed_index(int c, int key) {
  * in shared memory (transposed_index) so that a warp reads consecutive words. Q and dO rows
  * are read by all threads at once: broadcasts. */
 template <int D>
-__global__ void __launch_bounds__(Bc_bwd * row_lanes(D))
+__global__ void __launch_bounds__(row_lanes(D) * Bc_bwd)
     flash_backward_dkdv_kernel(const float *__restrict__ q, const float *__restrict__ k,
                                const float *__restrict__ v, const float *__restrict__ d_o,
                                const float *__restrict__ lse, const float *__restrict__ delta,
@@ -295,7 +295,7 @@ __global__ void __launch_bounds__(Bc_bwd * row_lanes(D))
 /* row_lanes(D) threads per query row, the forward's grid and K/V tiles:
  * dQ_i = scale sum_j dS_ij K_j with dS_ij = P_ij (dO_i . V_j - D_i) recomputed key by key. */
 template <int D>
-__global__ void __launch_bounds__(Br * row_lanes(D))
+__global__ void __launch_bounds__(row_lanes(D) * Br)
     flash_backward_dq_kernel(const float *__restrict__ q, const float *__restrict__ k,
                              const float *__restrict__ v, const float *__restrict__ d_o,
                              const float *__restrict__ lse, const float *__restrict__ delta,

@@ -91,14 +91,14 @@ template <typename Fragment, typename T>
 __device__ void load_fragment(Fragment &f, const T *p, int ld) {
   wmma::load_matrix_sync(f, p, ld);
 }
-#define LOAD_BF16_FRAGMENT(FragType, ptx_op)                                                 \
+#define LOAD_BF16_FRAGMENT(FragType, ptx_op)                                                  \
   __device__ void load_fragment(FragType<__nv_bfloat16> &f, const __nv_bfloat16 *p, int ld) { \
-    unsigned r[4], address = (unsigned)__cvta_generic_to_shared(p);                          \
-    static_assert(sizeof f.x == sizeof r, "a bf16 fragment is four 32-bit registers");       \
-    asm volatile(ptx_op " {%0, %1, %2, %3}, [%4], %5;"                                       \
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])                            \
-                 : "r"(address), "r"(ld));                                                   \
-    memcpy(f.x, r, sizeof r);                                                                \
+    unsigned r[4], address = (unsigned)__cvta_generic_to_shared(p);                           \
+    static_assert(sizeof f.x == sizeof r, "a bf16 fragment is four 32-bit registers");        \
+    asm volatile(ptx_op " {%0, %1, %2, %3}, [%4], %5;"                                        \
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])                             \
+                 : "r"(address), "r"(ld));                                                    \
+    memcpy(f.x, r, sizeof r);                                                                 \
   }
 LOAD_BF16_FRAGMENT(FragA, "wmma.load.a.sync.aligned.row.m16n16k16.shared.bf16")
 LOAD_BF16_FRAGMENT(FragBt, "wmma.load.b.sync.aligned.col.m16n16k16.shared.bf16")
@@ -498,7 +498,8 @@ __global__ void __launch_bounds__(Threads_bwd)
   __pipeline_commit();
   FragAcc dk_frag[D / Frag], dv_frag[D / Frag];
 #pragma unroll
-  for (int f = 0; f < D / Frag; f++) wmma::fill_fragment(dk_frag[f], 0.f), wmma::fill_fragment(dv_frag[f], 0.f);
+  for (int f = 0; f < D / Frag; f++)
+    wmma::fill_fragment(dk_frag[f], 0.f), wmma::fill_fragment(dv_frag[f], 0.f);
   const float scale_log2 = scale * 1.4426950408889634f;
 
   for (int t = 0; t < tiles; t++) {
@@ -592,8 +593,8 @@ __global__ void __launch_bounds__(Threads_dq)
   int warp = threadIdx.x / 32;
   int row_blocks = (nq + Br_dq - 1) / Br_dq;
   long bh = causal ? blockIdx.x % heads : blockIdx.x / row_blocks;
-  int i0 =
-      (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) * Br_dq;
+  int i0 = (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) *
+           Br_dq;
   int iw = i0 + warp * Frag; /* this warp's first row */
   T *dS_w = dSs + warp * Frag * ld_p;
   int row_of[FragAcc::num_elements], col_of[FragAcc::num_elements];
@@ -670,8 +671,9 @@ __global__ void __launch_bounds__(Threads_dq)
   }
   __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
   /* The stores stage through the Q, dO, K, V tiles, which no warp reads after this barrier. */
-  static_assert(Warps_dq * Frag * ld_s * sizeof(float) <= (2 * Br_dq + 4 * Bc) * ld_tile<32>() * sizeof(T),
-                "the tiles hold every warp's fp32 staging tile");
+  static_assert(
+      Warps_dq * Frag * ld_s * sizeof(float) <= (2 * Br_dq + 4 * Bc) * ld_tile<32>() * sizeof(T),
+      "the tiles hold every warp's fp32 staging tile");
   __syncthreads(); /* WAR: every warp is done reading the tiles before they become staging */
   float *stage = reinterpret_cast<float *>(Qs) + warp * Frag * ld_s;
   store_tile<T, D>(dq_frag, stage, nullptr, scale, dq + (bh * nq + iw) * D, nq - iw);
@@ -683,8 +685,9 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   long rows = (long)heads * p->seq_q;
   float *delta = (float *)t->workspace;
   const int delta_threads = 256; /* a memory-bound pass: any full-warp count will do */
-  compute_delta_kernel<T><<<(unsigned)((rows + delta_threads - 1) / delta_threads),
-                            delta_threads>>>((const T *)t->o, (const T *)t->d_o, delta, rows, D);
+  compute_delta_kernel<T>
+      <<<(unsigned)((rows + delta_threads - 1) / delta_threads), delta_threads>>>(
+          (const T *)t->o, (const T *)t->d_o, delta, rows, D);
   CHECK_LAUNCH("compute_delta_kernel");
   attn_require_shared_memory((const void *)flash_backward_dkdv_kernel<T, D>, dkdv_bytes<T, D>(),
                              "flash_backward_dkdv_kernel");

@@ -13,8 +13,8 @@
 
 /* p_row[j] = softmax of the row's visible logits, rounded to the dtype; returns the count
  * of visible keys and sets *lse (-inf when none). */
-static int baseline_probabilities(const attn_problem *p, const float *q_row, const float *K,
-                                  int i, float *p_row, float *lse) {
+static int baseline_probabilities(const attn_problem *p, const float *q_row, const float *K, int i,
+                                  float *p_row, float *lse) {
   int d = p->head_dim, visible = attn_visible_keys(p, i);
   float m = -INFINITY, l = 0.f;
   for (int j = 0; j < visible; j++) {

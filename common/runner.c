@@ -131,9 +131,9 @@ static void parse_options(const attn_stage *s, int argc, char **argv, options *o
   o->p.head_dim = DEFAULT_DIM;
   /* The stage's first dtype: fp32, or fp16 for the tensor-core stage. */
   unsigned dtypes = s->dtypes ? s->dtypes : DTYPE_BIT(DTYPE_FP32);
-  o->p.dtype = dtypes & DTYPE_BIT(DTYPE_FP32) ? DTYPE_FP32
+  o->p.dtype = dtypes & DTYPE_BIT(DTYPE_FP32)   ? DTYPE_FP32
                : dtypes & DTYPE_BIT(DTYPE_FP16) ? DTYPE_FP16
-                                                 : DTYPE_BF16;
+                                                : DTYPE_BF16;
   o->seed = DEFAULT_SEED;
   o->input_scale = 1;
   int seq_given = 0;
@@ -578,8 +578,7 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
   if (o.check_finite) {
     int ok = attn_check_finite(&ci, o_host, lse_host, grads[0], grads[1], grads[2]);
     printf("%s: every output finite%s: %s\n", s->name,
-           s->saves_lse ? ", LSE -inf exactly on the rows that see no key" : "",
-           ok ? "yes" : "NO");
+           s->saves_lse ? ", LSE -inf exactly on the rows that see no key" : "", ok ? "yes" : "NO");
     failed |= !ok;
   }
 

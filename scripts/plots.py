@@ -13,7 +13,7 @@ import sys
 import attn
 
 COLORS = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d",
-          "#666666", "#1f78b4", "#b2182b"]
+          "#666666", "#1f78b4", "#b2182b", "#000000", "#8c564b", "#17becf", "#bcbd22"]
 
 
 def human_bytes(n):
@@ -42,10 +42,10 @@ def gnuplot_file(path, title, xlabel, ylabel, series, stamp_text, logx=True, log
             for x, y in sorted(pts):
                 f.write(f"{x}\t{y}\n")
         rel = os.path.relpath(dat, os.path.dirname(path))
-        plots.append(f"'{rel}' using 1:2 with linespoints lw 2 pt 7 lc rgb '{COLORS[k % 10]}' "
+        plots.append(f"'{rel}' using 1:2 with linespoints lw 2 pt 7 lc rgb '{COLORS[k % len(COLORS)]}' "
                      f"title '{name}' noenhanced")
     for k, (name, y) in enumerate(lines):
-        plots.append(f"{y} with lines dt 2 lw 2 lc rgb '{COLORS[(k + 5) % 10]}' title '{name}' noenhanced")
+        plots.append(f"{y} with lines dt 2 lw 2 lc rgb '{COLORS[(k + 5) % len(COLORS)]}' title '{name}' noenhanced")
     if not plots:
         return None
     gp = os.path.splitext(path)[0] + ".gp"
@@ -89,14 +89,16 @@ def ladder(rows, out_dir, prefix, only):
             continue
         if r["cuda"] != "-" and int(r["B"]) * int(r["Nq"]) != 16384:
             continue
-        name = r["stage"] + ("" if r["dtype"] == "fp32" else f" {r['dtype']}")
-        if r["stage"].startswith("sdpa_"):
+        sdpa = r["stage"].startswith("sdpa_")
+        name = r["stage"] + ("" if r["dtype"] == "fp32" and not sdpa else f" {r['dtype']}")
+        if sdpa:
             if r["stage"] != "sdpa_math":
                 lines.append((f"PyTorch {name}", float(r["tflops"])))
         elif not only or r["stage"] in only:
             bars.append((name, float(r["tflops"]), r))
     order = {s: k for k, s in enumerate(attn.STAGES + attn.BASELINES)}
-    bars.sort(key=lambda b: (order.get(b[2]["stage"], 99), b[0]))
+    dtypes = ["fp32", "fp16", "bf16"]
+    bars.sort(key=lambda b: (order.get(b[2]["stage"], 99), dtypes.index(b[2]["dtype"])))
     if not bars:
         return None
     path = os.path.join(out_dir, f"{prefix}ladder.png")
@@ -110,7 +112,7 @@ def ladder(rows, out_dir, prefix, only):
                f"'{rel}' using 1:($2*1.15):(sprintf('%.3g', $2)) with labels notitle"]
     lines.sort(key=lambda x: -x[1])
     for k, (name, y) in enumerate(lines):
-        plotted.append(f"{y} with lines dt 2 lw 2 lc rgb '{COLORS[(k + 1) % 10]}' "
+        plotted.append(f"{y} with lines dt 2 lw 2 lc rgb '{COLORS[(k + 1) % len(COLORS)]}' "
                        f"title '{name} {y:.0f}' noenhanced")
     gp = os.path.splitext(path)[0] + ".gp"
     with open(gp, "w") as f:
@@ -119,7 +121,8 @@ def ladder(rows, out_dir, prefix, only):
         f.write(f"set title \"The ladder: forward TFLOP/s at N = {LADDER_N}, d = {LADDER_D} "
                 f"(CPU: 1 head; GPU: H = 32, B = 4)\\n{{/*0.8 {stamp([b[2] for b in bars])}}}\"\n")
         f.write("set ylabel 'TFLOP/s (log scale)'\nset logscale y\nset grid ytics\n")
-        f.write("set boxwidth 0.6\nset xtics rotate by -30 noenhanced\nset key top left\n")
+        f.write("set boxwidth 0.6\nset xtics rotate by -30 noenhanced\n")
+        f.write("set key top left vertical maxrows 3\nset yrange [0.001:30000]\n")
         f.write(f"set xrange [-0.6:{len(bars) - 0.4}]\n")
         f.write("plot " + ", \\\n     ".join(plotted) + "\n")
     return gp
@@ -166,8 +169,10 @@ def draw(result_dirs, out_dir, stage=None, cpu_plots=True):
                     continue
                 groups = {}
                 for r in sel:
-                    key = r["stage"] + ("" if r["dtype"] == "fp32" else f" {r['dtype']}")
-                    if r["stage"].startswith("sdpa_") and (
+                    sdpa = r["stage"].startswith("sdpa_")
+                    key = r["stage"] + ("" if r["dtype"] == "fp32" and not sdpa
+                                        else f" {r['dtype']}")
+                    if sdpa and (
                             r["stage"] == "sdpa_math" or r["dtype"] == "bf16"):
                         continue  # fewer lines: math is the slow path, bf16 ~ fp16
                     groups.setdefault(key, []).append(r)

@@ -62,7 +62,8 @@ def results_table(root):
     lines += ["", f"Forward and backward TFLOP/s at N = {N}, non-causal (GPU: H = 2048/d, "
               f"B = 16384/N; CPU: one head, d = 64); % of PyTorch's SDPA flash backend (fp16, "
               f"same GPU, same run as its rows); memory: CPU workspace at N = 8192, GPU device "
-              f"memory at N = 16384 (B = 1, H = 32, d = 64).", "",
+              f"memory of a forward run at N = 8192 (B = 1, H = 32, d = 64; inputs, outputs "
+              f"and workspace).", "",
               "| stage | idea | dtype | fwd d=64 | fwd d=128 | bwd d=64 | bwd d=128 "
               "| % of SDPA flash (fwd d=64 / d=128) | memory |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -92,12 +93,18 @@ def results_table(root):
             for d in ("64", "128"):
                 r, f = cells["fwd", d], flash[d]
                 pct.append(f"{100 * float(r['tflops']) / float(f['tflops']):.1f}%"
-                           if r and f else "-")
+                           if r and f and kind_rows is gpu else "-")
             if kind_rows is cpu:
                 m = pick(rows, direction="fwd", Nq="8192", d="64")
                 memory = f"{human_bytes(int(m['workspace_bytes']))} workspace" if m else "-"
             else:
-                m = pick(rows, direction="fwd", Nq="16384", d="64", B="1", H="32", causal="0")
+                # A forward row of a --backward run (it has a bwd twin) also counts the
+                # gradients' buffers: not the forward's memory.
+                fwd_only = [r for r in rows if not pick(rows, direction="bwd", Nq=r["Nq"],
+                                                        d=r["d"], B=r["B"], H=r["H"],
+                                                        causal=r["causal"])]
+                m = pick(fwd_only, direction="fwd", Nq="8192", d="64", B="1", H="32",
+                         causal="0")
                 memory = human_bytes(int(m["device_bytes"])) if m else "-"
             name = f"[`{stage}`]({stage}/)" if stage in attn.STAGES else f"`{stage}`"
             lines.append(f"| {name} | {idea_of(root, stage)}"
