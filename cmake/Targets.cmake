@@ -23,6 +23,11 @@ if(Python3_Interpreter_FOUND)
     COMMAND ${Python3_EXECUTABLE} ${ATTN_SCRIPTS}/plots.py --results ${CMAKE_BINARY_DIR}/tour/sweep
             --out ${CMAKE_BINARY_DIR}/tour/plots
     USES_TERMINAL)
+  # The README's results table and ARCHITECTURE.md's diff table are generated: this test
+  # fails when a row or a stage source changed and they were not regenerated.
+  add_test(NAME docs.generated_tables_current
+           COMMAND ${Python3_EXECUTABLE} ${ATTN_SCRIPTS}/update_docs.py --check)
+  set_tests_properties(docs.generated_tables_current PROPERTIES LABELS cpu)
 else()
   message(STATUS "Python 3 not found: the tour, bench and plots targets are skipped")
 endif()
