@@ -101,7 +101,7 @@ def redraw(docs):
     """Plots of every device folder (GPU folders also get the CPU rows, for the ladder), then
     the README's results table and ARCHITECTURE.md's diff table."""
     folders = sorted(d for d in (os.path.join(docs, x) for x in os.listdir(docs))
-                     if os.path.isdir(d))
+                     if any(os.path.exists(os.path.join(d, f)) for f in ("cpu.tsv", "gpu.tsv")))
     cpu = [d for d in folders if os.path.basename(d).startswith("cpu-")]
     for d in folders:
         extra = [] if d in cpu else cpu

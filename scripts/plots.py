@@ -133,7 +133,7 @@ def draw(result_dirs, out_dir, stage=None, cpu_plots=True):
     os.makedirs(out_dir, exist_ok=True)
     rows = []
     for d in result_dirs:
-        rows += attn.read_rows(*sorted(glob.glob(os.path.join(d, "*.tsv"))))
+        rows += attn.read_rows(os.path.join(d, "cpu.tsv"), os.path.join(d, "gpu.tsv"))
     only = {stage, predecessor(stage)} - {None} if stage else None
     prefix = f"{stage}_" if stage else ""
 

@@ -43,9 +43,9 @@ def results_table(root):
     docs = os.path.join(root, "docs", "results")
     folders = sorted(glob.glob(os.path.join(docs, "*/")))
     cpu_dirs = [f for f in folders if os.path.basename(f.rstrip("/")).startswith("cpu-")]
-    gpu_dirs = [f for f in folders if f not in cpu_dirs]
-    # The H100 rows when there are some (the project's target), else the first GPU folder.
-    gpu_dirs.sort(key=lambda f: "h100" not in f)
+    gpu_dirs = [f for f in folders if f not in cpu_dirs and os.path.exists(f + "gpu.tsv")]
+    # The GPU folder with the most rows (a full sweep), the H100's first among equals.
+    gpu_dirs.sort(key=lambda f: (-len(attn.read_rows(f + "gpu.tsv")), "h100" not in f))
     cpu = attn.read_rows(*(os.path.join(f, "cpu.tsv") for f in cpu_dirs[:1]))
     gpu = attn.read_rows(*(os.path.join(f, "gpu.tsv") for f in gpu_dirs[:1]))
     lines = []
