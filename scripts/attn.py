@@ -38,5 +38,18 @@ def read_rows(*paths):
     return rows
 
 
+def shape_key(r):
+    """(stage, dtype, B, H, N, d, causal) of a result row."""
+    return (r["stage"], r["dtype"], r["B"], r["H"], r["Nq"], r["d"], r["causal"])
+
+
+def forward_only(rows):
+    """The rows of runs without --backward. A run with it writes a bwd row beside its fwd
+    row, and its fwd row's device bytes also count dO, dQ, dK, dV: not the forward's
+    memory."""
+    backward_runs = {shape_key(r) for r in rows if r["direction"] == "bwd"}
+    return [r for r in rows if shape_key(r) not in backward_runs]
+
+
 def slug(text):
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"

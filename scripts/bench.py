@@ -84,12 +84,10 @@ def main():
         sweep.run(group, fresh, budget=a.budget)
         swept = {s.name for s in group}
         if kind == "gpu" and not a.no_pytorch and (not a.stages or "pytorch" in a.stages):
-            r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compare_pytorch.py"),
-                                "--bin", a.bin, "--out", fresh, "--budget", str(a.pytorch_budget)])
-            if attn.read_rows(os.path.join(fresh, "gpu.tsv")) and any(
-                    r["stage"].startswith("sdpa_") for r in attn.read_rows(
-                        os.path.join(fresh, "gpu.tsv"))):
-                swept |= {f"sdpa_{b}" for b in ("flash", "cudnn", "efficient", "math")}
+            subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compare_pytorch.py"),
+                            "--bin", a.bin, "--out", fresh, "--budget", str(a.pytorch_budget)])
+            # PyTorch's backends that wrote rows replace their committed rows.
+            swept |= {r["stage"] for r in attn.read_rows(os.path.join(fresh, "gpu.tsv"))}
         merge(os.path.join(folder, f"{kind}.tsv"), os.path.join(fresh, f"{kind}.tsv"), swept)
         folders.append(folder)
     shutil.rmtree(tmp, ignore_errors=True)

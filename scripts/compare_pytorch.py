@@ -20,8 +20,8 @@ import subprocess
 import sys
 import tempfile
 
-GPU_N = [512, 1024, 2048, 4096, 8192, 16384]
-HIDDEN, TOKENS = 2048, 16384
+from sweep import GPU_N, HIDDEN, TOKENS
+
 WARMUPS, REPEATS = 5, 20
 HEADER = ("stage\tdirection\tdtype\tB\tH\tNq\tNkv\td\tcausal\tms\ttflops\tworkspace_bytes\t"
           "device_bytes\tpeak_rss_bytes\tmax_err\ttol\tcheck\tdevice\tunits\tcuda\tdate\n")

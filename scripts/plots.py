@@ -187,12 +187,8 @@ def draw(result_dirs, out_dir, stage=None, cpu_plots=True):
         sel = [r for r in gpu if r["direction"] == "fwd" and r["d"] == "64" and r["causal"] == "0"
                and r["dtype"] in ("fp32", "fp16") and r["B"] == "1" and r["H"] == "32"
                and not r["stage"].startswith("sdpa_")]
-        # A forward row of a --backward run also counts dO, dQ, dK, dV: not the forward's
-        # memory, so it is left out (such runs also wrote a bwd row of the same shape).
-        bwd_runs = {(r["stage"], r["dtype"], r["B"], r["H"], r["Nq"], r["d"], r["causal"])
-                    for r in gpu if r["direction"] == "bwd"}
-        sel = [r for r in sel if (r["stage"], r["dtype"], r["B"], r["H"], r["Nq"], r["d"],
-                                  r["causal"]) not in bwd_runs]
+        without_backward = attn.forward_only(gpu)
+        sel = [r for r in sel if r in without_backward]
         if direction == "fwd" and sel:
             groups = by_stage(sel)
             scripts.append(gnuplot_file(

@@ -50,24 +50,23 @@ def fmt_time(s):
     return f"{s // 60}m{s % 60:02d}s"
 
 
-def key_of_args(stage, args):
-    """(stage, dtype, B, H, N, d, causal) of a point, to match it with a result row."""
-    v = dict(zip(args[::2], args[1::2]))
-    return (stage, v.get("--dtype", "fp32"), v["-b"], v["-H"], v["-n"], v["-d"],
-            "1" if "--causal" in args else "0")
-
-
-def key_of_row(r):
-    return (r["stage"], r["dtype"], r["B"], r["H"], r["Nq"], r["d"], r["causal"])
+def is_done(stage, args, rows):
+    """Whether `rows` already hold this point: a bwd row for a --backward point, a fwd row
+    of a run without --backward otherwise (attn.forward_only)."""
+    flags = {"--causal", "--backward"}
+    v = dict(zip(*[iter([x for x in args if x not in flags])] * 2))
+    key = (stage, v.get("--dtype", "fp32"), v["-b"], v["-H"], v["-n"], v["-d"],
+           "1" if "--causal" in args else "0")
+    if "--backward" in args:
+        return any(attn.shape_key(r) == key and r["direction"] == "bwd" for r in rows)
+    return any(attn.shape_key(r) == key for r in attn.forward_only(rows))
 
 
 def run(stages, out_dir, log=sys.stderr, budget=0, skip_done=None):
     """skip_done: a TSV whose points are not run again (to finish a sweep a budget cut)."""
     os.makedirs(out_dir, exist_ok=True)
-    done = {key_of_row(r) for r in attn.read_rows(skip_done)} if skip_done else set()
-    todo = [(s, a) for s in stages for a in points(s)
-            if key_of_args(s.name, [x for x in a if x != "--causal" and x != "--backward"] +
-                           (["--causal"] if "--causal" in a else [])) not in done]
+    done = attn.read_rows(skip_done) if skip_done else []
+    todo = [(s, a) for s in stages for a in points(s) if not is_done(s.name, a, done)]
     t0, failures = time.time(), 0
     for k, (stage, args) in enumerate(todo):
         elapsed = time.time() - t0

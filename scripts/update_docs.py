@@ -98,12 +98,7 @@ def results_table(root):
                 m = pick(rows, direction="fwd", Nq="8192", d="64")
                 memory = f"{human_bytes(int(m['workspace_bytes']))} workspace" if m else "-"
             else:
-                # A forward row of a --backward run (it has a bwd twin) also counts the
-                # gradients' buffers: not the forward's memory.
-                fwd_only = [r for r in rows if not pick(rows, direction="bwd", Nq=r["Nq"],
-                                                        d=r["d"], B=r["B"], H=r["H"],
-                                                        causal=r["causal"])]
-                m = pick(fwd_only, direction="fwd", Nq="8192", d="64", B="1", H="32",
+                m = pick(attn.forward_only(rows), direction="fwd", Nq="8192", d="64", B="1", H="32",
                          causal="0")
                 memory = human_bytes(int(m["device_bytes"])) if m else "-"
             name = f"[`{stage}`]({stage}/)" if stage in attn.STAGES else f"`{stage}`"
