@@ -60,6 +60,9 @@ __host__ __device__ constexpr int ld_tile() {
 constexpr int ld_p = Bc + Skew;
 constexpr int ld_s = Bc + Skew / 2;
 
+/* The exponentials are exp2 (one instruction): exp(x) = exp2(x log2 e), log x = ln 2 log2 x. */
+constexpr float Log2e = 1.4426950408889634f, Ln2 = 0.6931471805599453f;
+
 /* fp32 <-> the dtype, rounding to nearest even (the host rounds the same way). */
 template <typename T>
 __device__ T from_float(float x);
@@ -318,7 +321,7 @@ __global__ void __launch_bounds__(Threads)
   }
   __syncthreads(); /* WAR: every warp holds its Q before the K/V pipeline reuses the buffer */
 
-  const float scale_log2 = scale * 1.4426950408889634f; /* exp(x) = exp2(x log2 e) */
+  const float scale_log2 = scale * Log2e;
   float m = -INFINITY, l = 0.f, m_blk, x[Bc / 2];
   /* Keys [0, kv_end) are visible to some row of the block: the last row sees the most. */
   int offset = nkv - nq, last_row = min(i0 + Br, nq) - 1;
@@ -360,7 +363,7 @@ __global__ void __launch_bounds__(Threads)
   /* O = acc / l, LSE = (m + log2 l) ln 2; a row that saw no key: O = 0, LSE = -inf. */
   if (lane % 2 == 0) {
     factor_w[r] = l > 0.f ? 1.f / l : 0.f;
-    if (i < nq) lse[bh * nq + i] = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -INFINITY;
+    if (i < nq) lse[bh * nq + i] = l > 0.f ? (m + log2f(l)) * Ln2 : -INFINITY;
   }
   __syncwarp(); /* RAW: the row factors are written before store_tile reads them */
   int row0 = i0 + warp * Frag;
@@ -450,7 +453,7 @@ __global__ void compute_delta_kernel(const T *o, const T *d_o, float *delta, lon
 __device__ void load_row_stats(const float *lse, const float *delta, int rows, int tile_rows,
                                float *lse_s, float *delta_s) {
   for (int e = threadIdx.x; e < tile_rows; e += blockDim.x) {
-    lse_s[e] = e < rows ? lse[e] * 1.4426950408889634f : 0.f;
+    lse_s[e] = e < rows ? lse[e] * Log2e : 0.f;
     delta_s[e] = e < rows ? delta[e] : 0.f;
   }
 }
@@ -500,7 +503,7 @@ __global__ void __launch_bounds__(Threads_bwd)
 #pragma unroll
   for (int f = 0; f < D / Frag; f++)
     wmma::fill_fragment(dk_frag[f], 0.f), wmma::fill_fragment(dv_frag[f], 0.f);
-  const float scale_log2 = scale * 1.4426950408889634f;
+  const float scale_log2 = scale * Log2e;
 
   for (int t = 0; t < tiles; t++) {
     int i0 = i_begin + t * Br_bwd, buf = t % 2;
@@ -616,7 +619,7 @@ __global__ void __launch_bounds__(Threads_dq)
   FragAcc dq_frag[D / Frag];
 #pragma unroll
   for (int f = 0; f < D / Frag; f++) wmma::fill_fragment(dq_frag[f], 0.f);
-  const float scale_log2 = scale * 1.4426950408889634f;
+  const float scale_log2 = scale * Log2e;
 
   for (int t = 0; t < tiles; t++) {
     int j0 = t * Bc, buf = t % 2;
