@@ -11,16 +11,19 @@
  * The softmax statistics (m, l, LSE, D) stay in fp32.
  *
  * A fragment's elements are spread over the 32 threads of a warp in a layout CUDA does not
- * document. The forward needs row maxima and row sums, so it passes S through shared
- * memory, where each thread can read whole rows. The backward needs no reduction across a
- * row (LSE and D are known), so it works on the fragment elements in registers; a probe at
- * start-up tells each thread which (row, column) each of its elements holds.
+ * document. This stage relies on the layout of sm_80 to sm_90 (fragment_row, fragment_col)
+ * and checks it on the device before the first launch. Knowing it, the forward keeps S and
+ * P in registers: a row's max and sum are reduced over the 4 lanes that hold the row, and
+ * S's accumulator becomes P's operand without passing through shared memory. The backward
+ * computes P and dS element by element on S and dP's accumulators.
  */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_pipeline.h>
 #include <math.h>
 #include <mma.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "attention.h"
@@ -31,15 +34,17 @@ using namespace nvcuda;
 /* The WMMA shape: a warp multiplies 16 x 16 by 16 x 16 tiles (fp16 and bf16 both offer
  * m16n16k16). Every tile below is a multiple of it. */
 constexpr int Frag = 16;
-/* Warps per block: 4 warps of 16 query rows each, Br = 64 rows. With the tiles below a
- * block needs 64 KiB (d = 64) to 96 KiB (d = 128) of shared memory, so 3 or 2 blocks share
- * an SM: 8 to 12 warps to hide the latency of one another's loads and products. */
+/* Warps per block: 4 warps of 16 query rows each, Br = 64 rows. A forward block needs 36 KiB
+ * (d = 64) or 68 KiB (d = 128) of shared memory and 128 or 168 registers per thread, so 4 or
+ * 3 blocks share an SM: 16 or 12 warps to hide one another's loads and products. (8 warps
+ * per block measured +3% at d = 64 and -11% at d = 128 on an H100.) */
 constexpr int Warps = 4;
 constexpr int Threads = Warps * 32;
 /* Query rows per block: one fragment height per warp. */
 constexpr int Br = Warps * Frag;
-/* Keys per tile: 4 fragments wide. 64 keys keep the per-warp S staging (16 x 64 floats) and
- * the double-buffered K and V tiles small enough for two blocks per SM at d = 128. */
+/* Keys per tile: 4 fragments wide, so a warp's S tile is 4 accumulator fragments, 32
+ * registers per lane. (Bc = 128 doubles them: 229 registers at d = 128, and the forward
+ * measured 7% slower at d = 64 and 40% slower at d = 128 on an H100.) */
 constexpr int Bc = 64;
 static_assert(Br <= 2 * Bc, "the forward stages its Q tile in the two K buffers");
 /* Padding of every shared-memory row, in elements of the dtype (16 bytes). A wmma load
@@ -51,8 +56,8 @@ static_assert(Br <= 2 * Bc, "the forward stages its Q tile in the two K buffers"
 #define ATTN_SKEW 8
 #endif
 constexpr int Skew = ATTN_SKEW;
-/* Leading dimensions: Q, K, V, dO tiles (dtype), P and dS tiles (dtype), S staging (fp32,
- * the same 16 bytes of padding). */
+/* Leading dimensions: Q, K, V, dO tiles (dtype), the backward's P and dS tiles (dtype), the
+ * fp32 staging of an output tile (the same 16 bytes of padding). */
 template <int D>
 __host__ __device__ constexpr int ld_tile() {
   return D + Skew;
@@ -107,28 +112,80 @@ LOAD_BF16_FRAGMENT(FragA, "wmma.load.a.sync.aligned.row.m16n16k16.shared.bf16")
 LOAD_BF16_FRAGMENT(FragBt, "wmma.load.b.sync.aligned.col.m16n16k16.shared.bf16")
 LOAD_BF16_FRAGMENT(FragB, "wmma.load.b.sync.aligned.row.m16n16k16.shared.bf16")
 
-/* Which (row, column) of its 16 x 16 tile each accumulator element of this thread holds.
- * CUDA does not document the layout, but load_matrix_sync is defined for any layout: load
- * a tile whose entry (r, c) is r * 16 + c, and each element tells where it came from. */
-__device__ void probe_fragment_layout(float *scratch, int *row_of, int *col_of) {
-  int lane = threadIdx.x % 32;
-  for (int e = lane; e < Frag * Frag; e += 32) scratch[e] = (float)e;
-  __syncwarp(); /* RAW: the whole probe tile is written before the warp loads it */
-  FragAcc probe;
-  wmma::load_matrix_sync(probe, scratch, Frag, wmma::mem_row_major);
-  for (int e = 0; e < probe.num_elements; e++) {
-    row_of[e] = (int)probe.x[e] / Frag;
-    col_of[e] = (int)probe.x[e] % Frag;
-  }
-  __syncwarp(); /* WAR: every lane has loaded the probe before the scratch is reused */
+/* Where element e of a 16 x 16 fragment sits in its tile, for this lane. CUDA does not
+ * document it. On sm_80 to sm_90 a 16 x 16 x 16 product is two m16n8k16 tensor-core
+ * instructions, and the accumulator and the left operand (matrix_a, row-major) both follow
+ * their layout: the 4 lanes of a quad hold the same two rows, lane / 4 and lane / 4 + 8,
+ * each lane two adjacent columns, 2 (lane mod 4) and 2 (lane mod 4) + 1, and those plus 8.
+ * An fp16 matrix_a (16 elements) holds every element twice, at e and e + 8: WMMA keeps
+ * Volta's fragment size. require_fragment_layout checks every element of it on the device
+ * before the first launch, so a GPU that places them otherwise fails clearly instead of
+ * computing garbage. */
+constexpr int Quad = 4;                                        /* lanes that share a row */
+__device__ constexpr int row_half(int e) { return e / 2 % 2; } /* 0: row lane / 4, 1: + 8 */
+__device__ int fragment_row(int e) { return threadIdx.x % 32 / Quad + 8 * row_half(e); }
+__device__ int fragment_col(int e) { return 2 * (threadIdx.x % Quad) + e % 2 + 8 * (e / 4 % 2); }
+
+/* The largest of x over the quad that holds a row (its 4 lanes are xor 1 and 2 apart). */
+__device__ float max_over_quad(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ float sum_over_quad(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-/* Shared memory for Q's staging and the double-buffered K and V tiles, S staging per warp,
- * P per warp, a per-row factor per warp. */
+/* Counts the fragment elements that are not where fragment_row and fragment_col say: loads
+ * tiles whose entry (r, c) is 16 r + c (exact in fp16 and bf16: integers up to 256) into an
+ * accumulator and a matrix_a fragment, and compares. One warp. */
+template <typename T>
+__global__ void count_misplaced_kernel(int *misplaced) {
+  __shared__ __align__(32) float probe_acc[Frag * Frag];
+  __shared__ __align__(32) T probe_a[Frag * Frag];
+  for (int e = threadIdx.x; e < Frag * Frag; e += 32) {
+    probe_acc[e] = (float)e;
+    probe_a[e] = from_float<T>((float)e);
+  }
+  __syncwarp(); /* RAW: the probe tiles are written before the warp loads them */
+  FragAcc acc;
+  FragA<T> a;
+  wmma::load_matrix_sync(acc, probe_acc, Frag, wmma::mem_row_major);
+  load_fragment(a, probe_a, Frag);
+  int wrong = 0;
+  for (int e = 0; e < acc.num_elements; e++)
+    wrong += acc.x[e] != (float)(fragment_row(e) * Frag + fragment_col(e));
+  for (int e = 0; e < a.num_elements; e++)
+    wrong += to_float(a.x[e]) != (float)(fragment_row(e) * Frag + fragment_col(e));
+  atomicAdd(misplaced, wrong);
+}
+
+template <typename T>
+static void require_fragment_layout() {
+  static bool checked = false; /* once per dtype and process */
+  if (checked) return;
+  int *misplaced, count = 0;
+  CUDA_CHECK(cudaMalloc(&misplaced, sizeof(int)));
+  CUDA_CHECK(cudaMemset(misplaced, 0, sizeof(int)));
+  count_misplaced_kernel<T><<<1, 32>>>(misplaced);
+  CHECK_LAUNCH("count_misplaced_kernel");
+  CUDA_CHECK(cudaMemcpy(&count, misplaced, sizeof(int), cudaMemcpyDeviceToHost));
+  CUDA_CHECK(cudaFree(misplaced));
+  if (count > 0) {
+    fprintf(stderr,
+            "07_tensor_cores: %d WMMA fragment elements are not where this stage expects them "
+            "(the sm_80-sm_90 tensor-core layout); it cannot run on this GPU\n",
+            count);
+    exit(1);
+  }
+  checked = true;
+}
+
+/* Shared memory: Q's staging and the double-buffered K and V tiles. S and P never leave
+ * the registers. */
 template <typename T, int D>
 static size_t tile_bytes() {
-  return sizeof(T) * (4 * (size_t)Bc * ld_tile<D>() + (size_t)Br * ld_p) +
-         sizeof(float) * ((size_t)Br * ld_s + Br);
+  return sizeof(T) * 4 * (size_t)Bc * ld_tile<D>();
 }
 
 /* The whole block copies `rows` rows of a [*, D] tensor into a tile of Bc or Br rows
@@ -147,60 +204,56 @@ __device__ void load_tile_async(const T *src, int rows, int tile_rows, T *dst) {
   }
 }
 
-/* A warp's S = Q K^T for one tile (16 x Bc), on tensor cores, staged in shared memory as
- * fp32 so that each thread can read its row. */
+/* A warp's S = Q K^T for one tile (16 x Bc), on tensor cores, left in accumulator
+ * fragments: Bc / 16 fragments, 8 elements per lane each. Each element becomes a logit in
+ * log2 units (the exponentials below are exp2), or -inf where its column is past the row's
+ * last visible key (row_cols, one per row the lane holds); m_blk is each row's max over the
+ * tile, reduced over the row's quad. */
 template <typename T, int D>
-__device__ void compute_qk_scores(const FragA<T> *q_frag, const T *Ks, float *S_w) {
+__device__ void compute_qk_scores_and_max(const FragA<T> *q_frag, const T *Kt, const int *row_cols,
+                                          float scale_log2, FragAcc *s, float *m_blk) {
 #pragma unroll
   for (int n = 0; n < Bc / Frag; n++) {
-    FragAcc s;
-    wmma::fill_fragment(s, 0.f);
+    wmma::fill_fragment(s[n], 0.f);
 #pragma unroll
     for (int c = 0; c < D / Frag; c++) {
       FragBt<T> k_frag;
-      load_fragment(k_frag, Ks + n * Frag * ld_tile<D>() + c * Frag, ld_tile<D>());
-      wmma::mma_sync(s, q_frag[c], k_frag, s);
-    }
-    wmma::store_matrix_sync(S_w + n * Frag, s, ld_s, wmma::mem_row_major);
-  }
-}
-
-/* Two threads per row (lane / 2), each taking one half of the row's Bc columns in 16-byte
- * pieces (a float4 of S, 8 elements of P): 8 loads and 4 stores per thread instead of 32
- * and 32. The second thread starts half-way round its half (piece k + 4), so that the two
- * threads of a row, whose halves are 32 words apart, never hit the same bank at once.
- * x[4k + u] is column 4 ((k + 4 half) mod 8) + u of this thread's half.
- *
- * Reads the row's logits (in log2 units: the exponentials below are exp2), masks the
- * columns the row does not see, and returns the tile's max m_blk. */
-constexpr int Pieces = Bc / 2 / 4; /* float4 pieces of S per thread */
-__device__ void compute_block_max(const float *S_r, int row_cols, float scale_log2, float *x,
-                                  float &m_blk) {
-  int half = threadIdx.x % 2;
-  m_blk = -INFINITY;
-#pragma unroll
-  for (int k = 0; k < Pieces; k++) {
-    int col = half * (Bc / 2) + 4 * ((k + half * Pieces / 2) % Pieces);
-    float4 s4 = *reinterpret_cast<const float4 *>(S_r + col);
-    float s[4] = {s4.x, s4.y, s4.z, s4.w};
-#pragma unroll
-    for (int u = 0; u < 4; u++) {
-      x[4 * k + u] = col + u < row_cols ? s[u] * scale_log2 : -INFINITY;
-      m_blk = fmaxf(m_blk, x[4 * k + u]);
+      load_fragment(k_frag, Kt + n * Frag * ld_tile<D>() + c * Frag, ld_tile<D>());
+      wmma::mma_sync(s[n], q_frag[c], k_frag, s[n]);
     }
   }
-  m_blk = fmaxf(m_blk, __shfl_xor_sync(0xffffffffu, m_blk, 1));
+  m_blk[0] = m_blk[1] = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < Bc / Frag; n++)
+#pragma unroll
+    for (int e = 0; e < FragAcc::num_elements; e++) {
+      int h = row_half(e);
+      float x = n * Frag + fragment_col(e) < row_cols[h] ? s[n].x[e] * scale_log2 : -INFINITY;
+      s[n].x[e] = x;
+      m_blk[h] = fmaxf(m_blk[h], x);
+    }
+  m_blk[0] = max_over_quad(m_blk[0]);
+  m_blk[1] = max_over_quad(m_blk[1]);
 }
 
-/* m' = max(m, m_blk); what was summed under 2^-m is rescaled by 2^(m - m'). */
-__device__ float merge_block_stats(float m_blk, float &m, float &l) {
-  float m_new = fmaxf(m, m_blk);
-  /* While a row has seen no key m' is still -inf, and 2^(-inf - -inf) would be NaN; there
-   * is nothing to rescale then (l = 0, O = 0). */
-  float correction = m_new == -INFINITY ? 1.f : exp2f(m - m_new);
-  l *= correction;
-  m = m_new;
-  return correction;
+/* m' = max(m, m_blk); what was summed under 2^-m (l and the O accumulators) is rescaled by
+ * 2^(m - m'), row by row. */
+template <int D>
+__device__ void merge_block_stats(const float *m_blk, float *m, float *l, FragAcc *o_frag) {
+  float correction[2];
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    float m_new = fmaxf(m[h], m_blk[h]);
+    /* While a row has seen no key m' is still -inf, and 2^(-inf - -inf) would be NaN;
+     * there is nothing to rescale then (l = 0, O = 0). */
+    correction[h] = m_new == -INFINITY ? 1.f : exp2f(m[h] - m_new);
+    l[h] *= correction[h];
+    m[h] = m_new;
+  }
+#pragma unroll
+  for (int f = 0; f < D / Frag; f++)
+#pragma unroll
+    for (int e = 0; e < FragAcc::num_elements; e++) o_frag[f].x[e] *= correction[row_half(e)];
 }
 
 /* Two dtype values in one 32-bit word, rounded to nearest even. */
@@ -213,59 +266,44 @@ __device__ unsigned pack2(float lo, float hi, __nv_bfloat16) {
   return *reinterpret_cast<unsigned *>(&h);
 }
 
-/* p_j = 2^(x_j - m), rounded to the dtype into the warp's P tile (the operand of P V), 8
- * values per 16-byte store; l += sum p_j in fp32, from the unrounded p. Store j takes
- * x[8j .. 8j + 8), which (by the rotation above) are columns 8 ((j + 2 half) mod 4) on. */
-template <typename T>
-__device__ void compute_block_softmax(const float *x, float m, float &l, T *P_r) {
-  int half = threadIdx.x % 2;
-  float sum = 0.f;
-#pragma unroll
-  for (int j = 0; j < Pieces / 2; j++) {
-    float prob[8];
-#pragma unroll
-    for (int u = 0; u < 8; u++) {
-      prob[u] = m == -INFINITY ? 0.f : exp2f(x[8 * j + u] - m);
-      sum += prob[u];
-    }
-    uint4 packed = {pack2(prob[0], prob[1], T()), pack2(prob[2], prob[3], T()),
-                    pack2(prob[4], prob[5], T()), pack2(prob[6], prob[7], T())};
-    int col = half * (Bc / 2) + 8 * ((j + half * Pieces / 4) % (Pieces / 2));
-    *reinterpret_cast<uint4 *>(P_r + col) = packed;
-  }
-  l += sum + __shfl_xor_sync(0xffffffffu, sum, 1);
-}
-
-/* O = O * correction (per row) + P V, on tensor cores; O stays in accumulator fragments
- * for the whole key loop, and the probe says which row each element belongs to. */
+/* p = 2^(x - m) per element, l += p in fp32 (this lane's columns only; the quad's partial
+ * sums are added once, at the end), and O += P V on tensor cores. P's matrix_a fragment is
+ * made in registers: its element e is the accumulator's element e mod 8 (the same position),
+ * rounded to the dtype two at a time. */
 template <typename T, int D>
-__device__ void rescale_and_add_weighted_v(FragAcc *o_frag, const float *correction_w,
-                                           const int *row_of, const T *P_w, const T *Vs) {
-#pragma unroll
-  for (int e = 0; e < o_frag[0].num_elements; e++) {
-    float correction = correction_w[row_of[e]];
-#pragma unroll
-    for (int f = 0; f < D / Frag; f++) o_frag[f].x[e] *= correction;
-  }
+__device__ void compute_block_softmax_and_weighted_v(const FragAcc *s, const float *m, float *l,
+                                                     const T *Vt, FragAcc *o_frag) {
 #pragma unroll
   for (int n = 0; n < Bc / Frag; n++) {
+    float prob[FragAcc::num_elements];
+#pragma unroll
+    for (int e = 0; e < FragAcc::num_elements; e++) {
+      int h = row_half(e);
+      prob[e] = m[h] == -INFINITY ? 0.f : exp2f(s[n].x[e] - m[h]);
+      l[h] += prob[e];
+    }
     FragA<T> p_frag;
-    load_fragment(p_frag, P_w + n * Frag, ld_p);
+    static_assert(sizeof p_frag.x % (2 * sizeof(unsigned)) == 0, "whole pairs of elements");
+#pragma unroll
+    for (int e = 0; e < p_frag.num_elements; e += 2) {
+      unsigned pair =
+          pack2(prob[e % FragAcc::num_elements], prob[(e + 1) % FragAcc::num_elements], T());
+      memcpy(&p_frag.x[e], &pair, sizeof pair);
+    }
 #pragma unroll
     for (int f = 0; f < D / Frag; f++) {
       FragB<T> v_frag;
-      load_fragment(v_frag, Vs + n * Frag * ld_tile<D>() + f * Frag, ld_tile<D>());
+      load_fragment(v_frag, Vt + n * Frag * ld_tile<D>() + f * Frag, ld_tile<D>());
       wmma::mma_sync(o_frag[f], p_frag, v_frag, o_frag[f]);
     }
   }
 }
 
-/* Writes a warp's 16 x D fp32 accumulator tile as dtype T, row r times factor[r] (or times
- * `factor` when that is NULL), rows [0, rows) only. It passes through the warp's staging
- * area 64 columns at a time, so that each row leaves as contiguous stores. */
+/* Writes a warp's 16 x D fp32 accumulator tile, times `factor`, as dtype T, rows [0, rows)
+ * only. It passes through a staging area 64 columns at a time, so that each row leaves as
+ * contiguous stores. */
 template <typename T, int D>
-__device__ void store_tile(const FragAcc *acc, float *S_w, const float *row_factor, float factor,
-                           T *out, int rows) {
+__device__ void store_tile(const FragAcc *acc, float *S_w, float factor, T *out, int rows) {
   constexpr int group = Bc / Frag; /* fragments that fit the staging area's width */
   int lane = threadIdx.x % 32;
 #pragma unroll
@@ -277,11 +315,29 @@ __device__ void store_tile(const FragAcc *acc, float *S_w, const float *row_fact
     __syncwarp(); /* RAW: every lane's fragment elements are staged before rows are read */
     for (int e = lane; e < Frag * width; e += 32) {
       int r = e / width, c = e % width;
-      float scale = row_factor ? row_factor[r] : factor;
-      if (r < rows) out[(long)r * D + f0 * Frag + c] = from_float<T>(S_w[r * ld_s + c] * scale);
+      if (r < rows) out[(long)r * D + f0 * Frag + c] = from_float<T>(S_w[r * ld_s + c] * factor);
     }
     __syncwarp(); /* WAR: the staging area is read before the next group overwrites it */
   }
+}
+
+/* O = acc / l and LSE = (m + log2 l) ln 2 for the lane's two rows (a row that saw no key:
+ * O = 0, LSE = -inf), after adding up the quad's partial sums of l. */
+template <int D>
+__device__ void normalize_output(FragAcc *o_frag, const float *m, float *l, float *lse, int row,
+                                 int nq) {
+  float inverse[2];
+#pragma unroll
+  for (int h = 0; h < 2; h++) {
+    l[h] = sum_over_quad(l[h]);
+    inverse[h] = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    if (threadIdx.x % Quad == 0 && row + 8 * h < nq)
+      lse[row + 8 * h] = l[h] > 0.f ? (m[h] + log2f(l[h])) * Ln2 : -INFINITY;
+  }
+#pragma unroll
+  for (int f = 0; f < D / Frag; f++)
+#pragma unroll
+    for (int e = 0; e < FragAcc::num_elements; e++) o_frag[f].x[e] *= inverse[row_half(e)];
 }
 
 template <typename T, int D>
@@ -291,21 +347,15 @@ __global__ void __launch_bounds__(Threads)
                          float scale, int causal) {
   extern __shared__ __align__(128) float4 smem[]; /* cp.async wants 16 bytes, wmma 32 */
   T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + 2 * Bc * ld_tile<D>();
-  T *Ps = Vs + 2 * Bc * ld_tile<D>();
-  float *Ss = reinterpret_cast<float *>(Ps + Br * ld_p), *row_factor = Ss + Br * ld_s;
-  int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int warp = threadIdx.x / 32;
   /* Block order as in stage 05: causal blocks heaviest first across heads. */
   int row_blocks = (nq + Br - 1) / Br;
   long bh = causal ? blockIdx.x % heads : blockIdx.x / row_blocks;
   int i0 =
       (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) * Br;
-  /* This warp's 16 rows start at i0 + 16 warp; this thread serves row r = lane / 2. */
-  int r = lane / 2, i = i0 + warp * Frag + r;
-  float *S_w = Ss + warp * Frag * ld_s, *factor_w = row_factor + warp * Frag;
-  T *P_w = Ps + warp * Frag * ld_p;
+  /* This warp's 16 rows start at row0; this lane holds rows i and i + 8 of them. */
+  int row0 = i0 + warp * Frag, i = row0 + fragment_row(0);
   const T *K = k + bh * nkv * D, *V = v + bh * nkv * D;
-  int row_of[FragAcc::num_elements], col_of[FragAcc::num_elements];
-  probe_fragment_layout(S_w, row_of, col_of);
 
   /* Q passes through the K buffers into registers (d / 16 fragments per warp). */
   load_tile_async<T, D>(q + (bh * nq + i0) * D, min(Br, nq - i0), Br, Ks);
@@ -322,7 +372,7 @@ __global__ void __launch_bounds__(Threads)
   __syncthreads(); /* WAR: every warp holds its Q before the K/V pipeline reuses the buffer */
 
   const float scale_log2 = scale * Log2e;
-  float m = -INFINITY, l = 0.f, m_blk, x[Bc / 2];
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, m_blk[2];
   /* Keys [0, kv_end) are visible to some row of the block: the last row sees the most. */
   int offset = nkv - nq, last_row = min(i0 + Br, nq) - 1;
   int kv_end = causal ? max(0, min(nkv, last_row + offset + 1)) : nkv;
@@ -347,27 +397,25 @@ __global__ void __launch_bounds__(Threads)
     /* A tile past the first row's limit crosses the diagonal: each row keeps the columns it
      * sees, [j0, i + offset], which may be none. */
     bool diagonal = causal && j0 + cols - 1 > i0 + offset;
-    int row_cols = diagonal ? max(0, min(cols, i + offset + 1 - j0)) : cols;
-    compute_qk_scores<T, D>(q_frag, Kt, S_w);
-    __syncwarp(); /* RAW: all of S is staged before a thread reads its row */
-    compute_block_max(S_w + r * ld_s, row_cols, scale_log2, x, m_blk);
-    float correction = merge_block_stats(m_blk, m, l);
-    compute_block_softmax<T>(x, m, l, P_w + r * ld_p);
-    if (lane % 2 == 0) factor_w[r] = correction;
-    __syncwarp(); /* RAW: P and the corrections are written before the fragment loads */
-    rescale_and_add_weighted_v<T, D>(o_frag, factor_w, row_of, P_w, Vt);
+    int row_cols[2];
+#pragma unroll
+    for (int h = 0; h < 2; h++)
+      row_cols[h] = diagonal ? max(0, min(cols, i + 8 * h + offset + 1 - j0)) : cols;
+    FragAcc s[Bc / Frag];
+    compute_qk_scores_and_max<T, D>(q_frag, Kt, row_cols, scale_log2, s, m_blk);
+    merge_block_stats<D>(m_blk, m, l, o_frag);
+    compute_block_softmax_and_weighted_v<T, D>(s, m, l, Vt, o_frag);
     __syncthreads(); /* WAR: every warp is done with buffer `buf` before tile t + 2 fills it */
   }
   __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
 
-  /* O = acc / l, LSE = (m + log2 l) ln 2; a row that saw no key: O = 0, LSE = -inf. */
-  if (lane % 2 == 0) {
-    factor_w[r] = l > 0.f ? 1.f / l : 0.f;
-    if (i < nq) lse[bh * nq + i] = l > 0.f ? (m + log2f(l)) * Ln2 : -INFINITY;
-  }
-  __syncwarp(); /* RAW: the row factors are written before store_tile reads them */
-  int row0 = i0 + warp * Frag;
-  store_tile<T, D>(o_frag, S_w, factor_w, 1.f, o + (bh * nq + row0) * D, nq - row0);
+  normalize_output<D>(o_frag, m, l, lse + bh * nq, i, nq);
+  /* The store stages through the K and V buffers, which no warp reads after the loop's
+   * last barrier (or, with no tile, after Q's). */
+  static_assert(Warps * Frag * ld_s * sizeof(float) <= 4 * Bc * ld_tile<32>() * sizeof(__half),
+                "the K and V buffers hold every warp's fp32 staging tile");
+  float *stage = reinterpret_cast<float *>(Ks) + warp * Frag * ld_s;
+  store_tile<T, D>(o_frag, stage, 1.f, o + (bh * nq + row0) * D, nq - row0);
 }
 
 template <typename T, int D>
@@ -384,6 +432,7 @@ static void launch(const attn_problem *p, const attn_buffers *t) {
 
 template <typename T>
 static void forward_dtype(const attn_problem *p, const attn_buffers *t) {
+  require_fragment_layout<T>();
   switch (p->head_dim) {
     case 32: launch<T, 32>(p, t); break;
     case 64: launch<T, 64>(p, t); break;
@@ -461,8 +510,8 @@ __device__ void load_row_stats(const float *lse, const float *delta, int rows, i
 /* Each warp owns 16 keys j of the block's Bc_bwd keys and keeps their dK, dV in
  * accumulator fragments while it walks the query tiles. For every tile it computes
  * S^T = K Q^T and dP^T = V dO^T (keys as rows), turns them element by element into
- * P^T = exp(S^T - LSE) and dS^T = P^T (dP^T - D) in shared memory (the probe gives each
- * element's row and column), then adds dV += P^T dO and dK += dS^T Q. */
+ * P^T = exp(S^T - LSE) and dS^T = P^T (dP^T - D) in shared memory (fragment_row and fragment_col
+ * give each element's row and column), then adds dV += P^T dO and dK += dS^T Q. */
 template <typename T, int D>
 __global__ void __launch_bounds__(Threads_bwd)
     flash_backward_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ k,
@@ -481,8 +530,6 @@ __global__ void __launch_bounds__(Threads_bwd)
   int j0 = (int)(blockIdx.x % key_blocks) * Bc_bwd, offset = nkv - nq;
   int jw = j0 + warp * Frag; /* this warp's first key */
   T *Pt_w = Pt + warp * Frag * ld_p, *dSt_w = dSt + warp * Frag * ld_p;
-  int row_of[FragAcc::num_elements], col_of[FragAcc::num_elements];
-  probe_fragment_layout(reinterpret_cast<float *>(Pt_w), row_of, col_of);
 
   const T *Q = q + bh * nq * D, *dO = d_o + bh * nq * D;
   load_tile_async<T, D>(k + (bh * nkv + j0) * D, min(Bc_bwd, nkv - j0), Bc_bwd, Ks);
@@ -537,7 +584,7 @@ __global__ void __launch_bounds__(Threads_bwd)
       }
 #pragma unroll
       for (int e = 0; e < s.num_elements; e++) {
-        int key = row_of[e], col = n * Frag + col_of[e], i = i0 + col, j = jw + key;
+        int key = fragment_row(e), col = n * Frag + fragment_col(e), i = i0 + col, j = jw + key;
         bool visible = i < nq && j < nkv && (!causal || j <= i + offset);
         /* P from the saved LSE; a masked entry is 0, and exp2 is never asked for it, so a
          * row that sees no key (LSE = -inf) cannot make a NaN. P <= 1 exactly, but an fp32
@@ -574,8 +621,8 @@ __global__ void __launch_bounds__(Threads_bwd)
                 "the tiles hold every warp's fp32 staging tile");
   __syncthreads(); /* WAR: every warp is done reading the tiles before they become staging */
   float *stage = reinterpret_cast<float *>(Ks) + warp * Frag * ld_s;
-  store_tile<T, D>(dk_frag, stage, nullptr, scale, dk + (bh * nkv + jw) * D, nkv - jw);
-  store_tile<T, D>(dv_frag, stage, nullptr, 1.f, dv + (bh * nkv + jw) * D, nkv - jw);
+  store_tile<T, D>(dk_frag, stage, scale, dk + (bh * nkv + jw) * D, nkv - jw);
+  store_tile<T, D>(dv_frag, stage, 1.f, dv + (bh * nkv + jw) * D, nkv - jw);
 }
 
 /* Each warp owns 16 query rows i and keeps dQ in accumulator fragments while it walks the
@@ -600,8 +647,6 @@ __global__ void __launch_bounds__(Threads_dq)
            Br_dq;
   int iw = i0 + warp * Frag; /* this warp's first row */
   T *dS_w = dSs + warp * Frag * ld_p;
-  int row_of[FragAcc::num_elements], col_of[FragAcc::num_elements];
-  probe_fragment_layout(reinterpret_cast<float *>(dS_w), row_of, col_of);
 
   const T *K = k + bh * nkv * D, *V = v + bh * nkv * D;
   int rows = min(Br_dq, nq - i0);
@@ -650,7 +695,7 @@ __global__ void __launch_bounds__(Threads_dq)
       }
 #pragma unroll
       for (int e = 0; e < s.num_elements; e++) {
-        int row = row_of[e], col = n * Frag + col_of[e], i = iw + row, j = j0 + col;
+        int row = fragment_row(e), col = n * Frag + fragment_col(e), i = iw + row, j = j0 + col;
         bool visible = i < nq && j < nkv && (!causal || j <= i + offset);
         int rs = warp * Frag + row;
         float prob = visible ? fminf(1.f, exp2f(s.x[e] * scale_log2 - lse_s[rs])) : 0.f;
@@ -679,7 +724,7 @@ __global__ void __launch_bounds__(Threads_dq)
       "the tiles hold every warp's fp32 staging tile");
   __syncthreads(); /* WAR: every warp is done reading the tiles before they become staging */
   float *stage = reinterpret_cast<float *>(Qs) + warp * Frag * ld_s;
-  store_tile<T, D>(dq_frag, stage, nullptr, scale, dq + (bh * nq + iw) * D, nq - iw);
+  store_tile<T, D>(dq_frag, stage, scale, dq + (bh * nq + iw) * D, nq - iw);
 }
 
 template <typename T, int D>
@@ -710,6 +755,7 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
 
 template <typename T>
 static void backward_dtype(const attn_problem *p, const attn_buffers *t) {
+  require_fragment_layout<T>();
   switch (p->head_dim) {
     case 32: launch_backward<T, 32>(p, t); break;
     case 64: launch_backward<T, 64>(p, t); break;
