@@ -8,7 +8,7 @@ set boxwidth 0.6
 set xtics rotate by -30 noenhanced
 set key top left vertical maxrows 3
 set yrange [0.001:30000]
-set xrange [-0.6:9.6]
+set xrange [-0.6:7.6]
 plot 'ladder_data/bars.dat' using 1:2:xtic(3) with boxes fs solid 0.7 lc rgb '#1b9e77' notitle, \
      'ladder_data/bars.dat' using 1:($2*1.15):(sprintf('%.3g', $2)) with labels notitle, \
      465.2 with lines dt 2 lw 2 lc rgb '#d95f02' title 'PyTorch sdpa_cudnn fp16 465' noenhanced, \
