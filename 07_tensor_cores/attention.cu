@@ -121,10 +121,11 @@ LOAD_BF16_FRAGMENT(FragB, "wmma.load.b.sync.aligned.row.m16n16k16.shared.bf16")
  * Volta's fragment size. require_fragment_layout checks every element of it on the device
  * before the first launch, so a GPU that places them otherwise fails clearly instead of
  * computing garbage. */
-constexpr int Quad = 4;                                        /* lanes that share a row */
-__device__ constexpr int row_half(int e) { return e / 2 % 2; } /* 0: row lane / 4, 1: + 8 */
-__device__ int fragment_row(int e) { return threadIdx.x % 32 / Quad + 8 * row_half(e); }
-__device__ int fragment_col(int e) { return 2 * (threadIdx.x % Quad) + e % 2 + 8 * (e / 4 % 2); }
+constexpr int Quad = 4;        /* lanes that share a row */
+constexpr int Half = Frag / 2; /* a lane's second row is its first plus Half */
+__device__ constexpr int row_half(int e) { return e / 2 % 2; } /* 0: row lane / 4, 1: + Half */
+__device__ int fragment_row(int e) { return threadIdx.x % 32 / Quad + Half * row_half(e); }
+__device__ int fragment_col(int e) { return 2 * (threadIdx.x % Quad) + e % 2 + Half * (e / 4 % 2); }
 
 /* The largest of x over the quad that holds a row (its 4 lanes are xor 1 and 2 apart). */
 __device__ float max_over_quad(float x) {
@@ -331,8 +332,8 @@ __device__ void normalize_output(FragAcc *o_frag, const float *m, float *l, floa
   for (int h = 0; h < 2; h++) {
     l[h] = sum_over_quad(l[h]);
     inverse[h] = l[h] > 0.f ? 1.f / l[h] : 0.f;
-    if (threadIdx.x % Quad == 0 && row + 8 * h < nq)
-      lse[row + 8 * h] = l[h] > 0.f ? (m[h] + log2f(l[h])) * Ln2 : -INFINITY;
+    if (threadIdx.x % Quad == 0 && row + Half * h < nq)
+      lse[row + Half * h] = l[h] > 0.f ? (m[h] + log2f(l[h])) * Ln2 : -INFINITY;
   }
 #pragma unroll
   for (int f = 0; f < D / Frag; f++)
@@ -353,7 +354,7 @@ __global__ void __launch_bounds__(Threads)
   long bh = causal ? blockIdx.x % heads : blockIdx.x / row_blocks;
   int i0 =
       (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) * Br;
-  /* This warp's 16 rows start at row0; this lane holds rows i and i + 8 of them. */
+  /* This warp's 16 rows start at row0; this lane holds rows i and i + Half of them. */
   int row0 = i0 + warp * Frag, i = row0 + fragment_row(0);
   const T *K = k + bh * nkv * D, *V = v + bh * nkv * D;
 
@@ -400,7 +401,7 @@ __global__ void __launch_bounds__(Threads)
     int row_cols[2];
 #pragma unroll
     for (int h = 0; h < 2; h++)
-      row_cols[h] = diagonal ? max(0, min(cols, i + 8 * h + offset + 1 - j0)) : cols;
+      row_cols[h] = diagonal ? max(0, min(cols, i + Half * h + offset + 1 - j0)) : cols;
     FragAcc s[Bc / Frag];
     compute_qk_scores_and_max<T, D>(q_frag, Kt, row_cols, scale_log2, s, m_blk);
     merge_block_stats<D>(m_blk, m, l, o_frag);
