@@ -44,11 +44,15 @@ def shape_key(r):
 
 
 def forward_only(rows):
-    """The rows of runs without --backward. A run with it writes a bwd row beside its fwd
-    row, and its fwd row's device bytes also count dO, dQ, dK, dV: not the forward's
-    memory."""
-    backward_runs = {shape_key(r) for r in rows if r["direction"] == "bwd"}
-    return [r for r in rows if shape_key(r) not in backward_runs]
+    """The rows of runs without --backward. A run with it writes its fwd row and then its
+    bwd row, and that fwd row's device bytes also count dO, dQ, dK, dV: not the forward's
+    memory. (The shape alone cannot tell them apart: at N = 16384 the fixed-batch memory
+    point, B = 1, is also the sweep's B = 16384/N point.)"""
+    def of_backward_run(k):
+        nxt = rows[k + 1] if k + 1 < len(rows) else None
+        return (nxt is not None and nxt["direction"] == "bwd"
+                and shape_key(nxt) == shape_key(rows[k]))
+    return [r for k, r in enumerate(rows) if r["direction"] == "fwd" and not of_backward_run(k)]
 
 
 def slug(text):
