@@ -22,8 +22,6 @@
 #include <cuda_pipeline.h>
 #include <math.h>
 #include <mma.h>
-#include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "attention.h"
@@ -172,13 +170,11 @@ static void require_fragment_layout() {
   CHECK_LAUNCH("count_misplaced_kernel");
   CUDA_CHECK(cudaMemcpy(&count, misplaced, sizeof(int), cudaMemcpyDeviceToHost));
   CUDA_CHECK(cudaFree(misplaced));
-  if (count > 0) {
-    fprintf(stderr,
-            "07_tensor_cores: %d WMMA fragment elements are not where this stage expects them "
-            "(the sm_80-sm_90 tensor-core layout); it cannot run on this GPU\n",
-            count);
-    exit(1);
-  }
+  if (count > 0)
+    attn_fail(EXIT_CHECK_FAILED,
+              "%d WMMA fragment elements are not where this stage expects them (the "
+              "sm_80-sm_90 tensor-core layout); it cannot run on this GPU",
+              count);
   checked = true;
 }
 
