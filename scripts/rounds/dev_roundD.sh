@@ -1,18 +1,7 @@
 # The fp16/bf16 matrix-product ceiling of this GPU (PyTorch, 8192^3) and the profiles.
 export PATH=$PATH:/usr/local/cuda/bin
 cmake -S . -B build -DCMAKE_BUILD_TYPE=Release > /dev/null 2>&1 && cmake --build build -j16 --target 07_tensor_cores > $OUT/build.log 2>&1 || tail -20 $OUT/build.log
-python3 - <<'PY' > $OUT/matmul_peak.txt 2>&1
-import torch
-for dt in (torch.float16, torch.bfloat16):
-    a = torch.randn(8192, 8192, device="cuda", dtype=dt); b = torch.randn(8192, 8192, device="cuda", dtype=dt)
-    for _ in range(5): a @ b
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t = []
-    for _ in range(20):
-        s.record(); a @ b; e.record(); torch.cuda.synchronize(); t.append(s.elapsed_time(e))
-    t.sort(); ms = t[10]
-    print(f"{dt} matmul 8192^3: {ms:.3f} ms, {2 * 8192**3 / ms / 1e9:.0f} TFLOP/s ({torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda})")
-PY
+python3 scripts/matmul_peak.py > $OUT/matmul_peak.txt 2>&1
 cat $OUT/matmul_peak.txt
 scripts/profile.sh 07_tensor_cores -b 4 -H 32 -n 4096 -d 64 > $OUT/ncu_07_fwd_d64.txt 2>&1
 KERNEL=flash_backward_dkdv scripts/profile.sh 07_tensor_cores --backward -b 4 -H 16 -n 4096 -d 128 > $OUT/ncu_07_dkdv_d128.txt 2>&1

@@ -3,18 +3,7 @@
 #   bash scripts/rounds/s3_profile.sh BIN_DIR
 export PATH=$PATH:/usr/local/cuda/bin
 bin=${1:-build/bin}
-python3 - << 'PY' > $OUT/matmul_peak.txt 2>&1
-import torch
-for dt in (torch.float16, torch.bfloat16):
-    a = torch.randn(8192, 8192, device="cuda", dtype=dt); b = torch.randn(8192, 8192, device="cuda", dtype=dt)
-    for _ in range(5): a @ b
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t = []
-    for _ in range(20):
-        s.record(); a @ b; e.record(); torch.cuda.synchronize(); t.append(s.elapsed_time(e))
-    t.sort(); ms = t[10]
-    print(f"{dt} matmul 8192^3: {ms:.3f} ms, {2 * 8192**3 / ms / 1e9:.0f} TFLOP/s ({torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda})")
-PY
+python3 scripts/matmul_peak.py > $OUT/matmul_peak.txt 2>&1
 cat $OUT/matmul_peak.txt
 BIN=$bin scripts/profile.sh 07_tensor_cores -b 4 -H 32 -n 4096 -d 64 > $OUT/ncu_07_fwd_d64.txt 2>&1
 BIN=$bin scripts/profile.sh 07_tensor_cores -b 4 -H 16 -n 4096 -d 128 > $OUT/ncu_07_fwd_d128.txt 2>&1
