@@ -280,7 +280,7 @@ __device__ void compute_block_softmax_and_weighted_v(const FragAcc *s, const flo
       l[h] += prob[e];
     }
     FragA<T> p_frag;
-    static_assert(sizeof p_frag.x % (2 * sizeof(unsigned)) == 0, "whole pairs of elements");
+    static_assert(sizeof p_frag.x % sizeof(unsigned) == 0, "elements pack two to a 32-bit word");
 #pragma unroll
     for (int e = 0; e < p_frag.num_elements; e += 2) {
       unsigned pair =
