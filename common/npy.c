@@ -3,6 +3,7 @@
  * multiple of 64 bytes and ended by '\n', then the raw data. */
 #include <ctype.h>
 #include <errno.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -71,20 +72,33 @@ static int read_header(FILE *f, const char *path, size_t *shape, int *ndim, char
     rc = failf(err, err_len, path, "Fortran order, expected C order (use np.ascontiguousarray)");
   } else {
     const char *c = shp;
+    /* Elements so far: a shape whose byte size would wrap a size_t is refused. */
+    size_t count = 1, max_count = SIZE_MAX / sizeof(float);
     *ndim = 0;
     if (*c != '(') rc = failf(err, err_len, path, "shape is not a tuple");
     for (c++; rc == 0;) {
       while (isspace((unsigned char)*c) || *c == ',') c++;
       if (*c == ')') break;
+      /* Signed: strtoull would read "-3" as 2^64 - 3. */
       char *end;
       errno = 0;
-      unsigned long long n = strtoull(c, &end, 10);
-      if (end == c || errno || *ndim == NPY_MAX_DIMS) {
+      long long n = strtoll(c, &end, 10);
+      if (end == c || *ndim == NPY_MAX_DIMS) {
         rc = failf(err, err_len, path, "cannot read the shape");
-        break;
+      } else if (n < 0) {
+        snprintf(err, err_len, "%s: dimension %d is %.*s; a size cannot be negative", path, *ndim,
+                 (int)(end - c), c);
+        rc = -1;
+      } else if (errno == ERANGE || (uintmax_t)n > max_count ||
+                 (n > 0 && count > max_count / (size_t)n)) {
+        snprintf(err, err_len, "%s: dimension %d is %.*s; the array's size overflows", path, *ndim,
+                 (int)(end - c), c);
+        rc = -1;
+      } else {
+        count *= (size_t)n;
+        shape[(*ndim)++] = (size_t)n;
+        c = end;
       }
-      shape[(*ndim)++] = (size_t)n;
-      c = end;
     }
   }
   free(h);

@@ -6,6 +6,9 @@
  */
 #define _POSIX_C_SOURCE 200809L
 #include <errno.h>
+#include <fcntl.h>
+#include <float.h>
+#include <getopt.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -71,6 +74,7 @@ static void usage(const attn_stage *s) {
       "      --input-scale X  multiply Q, K and V by X (large logits)\n"
       "      --describe     one tab-separated line of what this stage supports\n"
       "  -h, --help         this text\n"
+      "long options also take --name=value and any unambiguous prefix (--seq-k 300)\n"
       "exit codes: 0 ok, 1 check failed, 2 bad usage or input, 77 no CUDA device\n",
       s->name, DEFAULT_BATCH, DEFAULT_HEADS, DEFAULT_SEQ, DEFAULT_DIM, DEFAULT_SEED);
 }
@@ -106,21 +110,88 @@ static double parse_real(const char *opt, const char *text) {
   return v;
 }
 
-/* Matches "-x", "--long" and "--long=value"; fetches the value when the option takes one. */
-static int match(const char *arg, const char *short_name, const char *long_name, int takes_value,
-                 int argc, char **argv, int *i, const char **value) {
-  size_t n = strlen(long_name);
-  int is_short = short_name && strcmp(arg, short_name) == 0;
-  int is_long = strncmp(arg, long_name, n) == 0 && (arg[n] == 0 || (takes_value && arg[n] == '='));
-  if (!is_short && !is_long) return 0;
-  if (!takes_value) return 1;
-  if (is_long && arg[n] == '=') {
-    *value = arg + n + 1;
-  } else {
-    if (*i + 1 >= argc) attn_fail(EXIT_BAD_USAGE, "%s needs a value (see --help)", arg);
-    *value = argv[++*i];
+/* Option codes of the options that have no one-letter name. */
+enum {
+  OPT_SEQ_Q = 256,
+  OPT_SEQ_KV,
+  OPT_SCALE,
+  OPT_SEED,
+  OPT_DTYPE,
+  OPT_CHECK,
+  OPT_CHECK_FINITE,
+  OPT_BENCH,
+  OPT_BACKWARD,
+  OPT_LOAD,
+  OPT_SAVE,
+  OPT_TSV,
+  OPT_INPUTS,
+  OPT_INPUT_SCALE,
+  OPT_DESCRIBE,
+};
+
+static const struct option long_options[] = {
+    {"help", no_argument, NULL, 'h'},
+    {"describe", no_argument, NULL, OPT_DESCRIBE},
+    {"batch", required_argument, NULL, 'b'},
+    {"heads", required_argument, NULL, 'H'},
+    {"seq", required_argument, NULL, 'n'},
+    {"seq-q", required_argument, NULL, OPT_SEQ_Q},
+    {"seq-kv", required_argument, NULL, OPT_SEQ_KV},
+    {"dim", required_argument, NULL, 'd'},
+    {"causal", no_argument, NULL, 'c'},
+    {"scale", required_argument, NULL, OPT_SCALE},
+    {"seed", required_argument, NULL, OPT_SEED},
+    {"dtype", required_argument, NULL, OPT_DTYPE},
+    {"check", no_argument, NULL, OPT_CHECK},
+    {"check-finite", no_argument, NULL, OPT_CHECK_FINITE},
+    {"bench", no_argument, NULL, OPT_BENCH},
+    {"backward", no_argument, NULL, OPT_BACKWARD},
+    {"load", required_argument, NULL, OPT_LOAD},
+    {"save", required_argument, NULL, OPT_SAVE},
+    {"tsv", required_argument, NULL, OPT_TSV},
+    {"inputs", required_argument, NULL, OPT_INPUTS},
+    {"input-scale", required_argument, NULL, OPT_INPUT_SCALE},
+    {NULL, 0, NULL, 0},
+};
+/* The leading ':' makes getopt_long report a missing value as ':' rather than '?'. */
+static const char short_options[] = ":hb:H:n:d:c";
+
+/* The long option that `name` (len characters, no "--") names: an exact name, or else the one
+ * option it is a prefix of; *matches counts the candidates (more than 1: ambiguous). */
+static const struct option *find_long_option(const char *name, size_t len, int *matches) {
+  const struct option *hit = NULL;
+  *matches = 0;
+  for (const struct option *l = long_options; l->name; l++) {
+    if (strncmp(l->name, name, len) != 0) continue;
+    if (strlen(l->name) == len) return *matches = 1, l;
+    hit = l, ++*matches;
   }
-  return 1;
+  return *matches == 1 ? hit : NULL;
+}
+
+/* Says in one line what was wrong with the option getopt_long just refused: code '?' (unknown,
+ * ambiguous, or a value given to an option that takes none) or ':' (its value missing).
+ * getopt's own messages are off (opterr = 0): they lack the stage's name and the exit code 2.
+ * getopt_long sets optopt to 0 for an unknown long option and to the option's code otherwise;
+ * argv[optind - 1] is the word of a long option, or of a short option that ended its word. */
+static void refuse_option(int code, char **argv) {
+  const char *word = argv[optind - 1];
+  if (strncmp(word, "--", 2) == 0) {
+    size_t len = strcspn(word + 2, "=");
+    int matches;
+    const struct option *l = find_long_option(word + 2, len, &matches);
+    if (code == ':' && l) attn_fail(EXIT_BAD_USAGE, "--%s needs a value (see --help)", l->name);
+    if (code == '?' && optopt == 0 && matches > 1)
+      attn_fail(EXIT_BAD_USAGE, "option '--%.*s' is ambiguous (see --help)", (int)len, word + 2);
+    if (code == '?' && optopt == 0)
+      attn_fail(EXIT_BAD_USAGE, "unknown option '--%.*s' (see --help)", (int)len, word + 2);
+    if (code == '?' && l && l->val == optopt && l->has_arg == no_argument && word[2 + len] == '=')
+      attn_fail(EXIT_BAD_USAGE, "--%s takes no value, got '%s'", l->name, word);
+  }
+  for (const struct option *l = long_options; code == ':' && l->name; l++)
+    if (l->val == optopt)
+      attn_fail(EXIT_BAD_USAGE, "-%c (--%s) needs a value (see --help)", optopt, l->name);
+  attn_fail(EXIT_BAD_USAGE, "unknown option '-%c' (see --help)", optopt);
 }
 
 static void parse_options(const attn_stage *s, int argc, char **argv, options *o) {
@@ -137,76 +208,76 @@ static void parse_options(const attn_stage *s, int argc, char **argv, options *o
   o->seed = DEFAULT_SEED;
   o->input_scale = 1;
   int seq_given = 0;
-  for (int i = 1; i < argc; i++) {
-    const char *a = argv[i], *v = NULL;
-    if (match(a, "-h", "--help", 0, argc, argv, &i, &v)) {
-      usage(s);
-      exit(EXIT_OK);
-    } else if (match(a, NULL, "--describe", 0, argc, argv, &i, &v)) {
-      describe(s);
-      exit(EXIT_OK);
-    } else if (match(a, "-b", "--batch", 1, argc, argv, &i, &v)) {
-      o->p.batch = (int)parse_int("--batch", v), o->given_batch = 1;
-    } else if (match(a, "-H", "--heads", 1, argc, argv, &i, &v)) {
-      o->p.heads = (int)parse_int("--heads", v), o->given_heads = 1;
-    } else if (match(a, "-n", "--seq", 1, argc, argv, &i, &v)) {
-      seq_given = (int)parse_int("--seq", v);
-    } else if (match(a, NULL, "--seq-q", 1, argc, argv, &i, &v)) {
-      o->p.seq_q = (int)parse_int("--seq-q", v), o->given_seq_q = 1;
-    } else if (match(a, NULL, "--seq-kv", 1, argc, argv, &i, &v)) {
-      o->p.seq_kv = (int)parse_int("--seq-kv", v), o->given_seq_kv = 1;
-    } else if (match(a, "-d", "--dim", 1, argc, argv, &i, &v)) {
-      o->p.head_dim = (int)parse_int("--dim", v), o->given_dim = 1;
-    } else if (match(a, "-c", "--causal", 0, argc, argv, &i, &v)) {
-      o->p.causal = 1;
-    } else if (match(a, NULL, "--scale", 1, argc, argv, &i, &v)) {
-      o->p.scale = (float)parse_real("--scale", v), o->given_scale = 1;
-    } else if (match(a, NULL, "--seed", 1, argc, argv, &i, &v)) {
-      char *end;
-      errno = 0;
-      o->seed = strtoull(v, &end, 10);
-      if (errno || end == v || *end || v[0] == '-')
-        attn_fail(EXIT_BAD_USAGE, "--seed must be a non-negative integer, got '%s'", v);
-    } else if (match(a, NULL, "--dtype", 1, argc, argv, &i, &v)) {
-      if (strcmp(v, "fp32") == 0)
-        o->p.dtype = DTYPE_FP32;
-      else if (strcmp(v, "fp16") == 0)
-        o->p.dtype = DTYPE_FP16;
-      else if (strcmp(v, "bf16") == 0)
-        o->p.dtype = DTYPE_BF16;
-      else
-        attn_fail(EXIT_BAD_USAGE, "--dtype must be fp32, fp16 or bf16, got '%s'", v);
-    } else if (match(a, NULL, "--check-finite", 0, argc, argv, &i, &v)) {
-      o->check_finite = 1;
-    } else if (match(a, NULL, "--check", 0, argc, argv, &i, &v)) {
-      o->check = o->given_check = 1;
-    } else if (match(a, NULL, "--bench", 0, argc, argv, &i, &v)) {
-      o->bench = 1;
-    } else if (match(a, NULL, "--backward", 0, argc, argv, &i, &v)) {
-      o->backward = 1;
-    } else if (match(a, NULL, "--load", 1, argc, argv, &i, &v)) {
-      o->load_dir = v;
-    } else if (match(a, NULL, "--save", 1, argc, argv, &i, &v)) {
-      o->save_dir = v;
-    } else if (match(a, NULL, "--tsv", 1, argc, argv, &i, &v)) {
-      o->tsv_path = v;
-    } else if (match(a, NULL, "--inputs", 1, argc, argv, &i, &v)) {
-      if (strcmp(v, "randn") == 0)
-        o->pattern = PATTERN_RANDN;
-      else if (strcmp(v, "const-v") == 0)
-        o->pattern = PATTERN_CONST_V;
-      else if (strcmp(v, "zero-q") == 0)
-        o->pattern = PATTERN_ZERO_Q;
-      else
-        attn_fail(EXIT_BAD_USAGE, "--inputs must be randn, const-v or zero-q, got '%s'", v);
-    } else if (match(a, NULL, "--input-scale", 1, argc, argv, &i, &v)) {
-      o->input_scale = parse_real("--input-scale", v);
-      if (!(o->input_scale > 0))
-        attn_fail(EXIT_BAD_USAGE, "--input-scale must be positive, got '%s'", v);
-    } else {
-      attn_fail(EXIT_BAD_USAGE, "unknown option '%s' (see --help)", a);
+  opterr = 0;
+  for (int c; (c = getopt_long(argc, argv, short_options, long_options, NULL)) != -1;) {
+    const char *v = optarg;
+    switch (c) {
+      case 'h': usage(s), exit(EXIT_OK);
+      case OPT_DESCRIBE: describe(s), exit(EXIT_OK);
+      case 'b': o->p.batch = (int)parse_int("--batch", v), o->given_batch = 1; break;
+      case 'H': o->p.heads = (int)parse_int("--heads", v), o->given_heads = 1; break;
+      case 'n': seq_given = (int)parse_int("--seq", v); break;
+      case OPT_SEQ_Q: o->p.seq_q = (int)parse_int("--seq-q", v), o->given_seq_q = 1; break;
+      case OPT_SEQ_KV: o->p.seq_kv = (int)parse_int("--seq-kv", v), o->given_seq_kv = 1; break;
+      case 'd': o->p.head_dim = (int)parse_int("--dim", v), o->given_dim = 1; break;
+      case 'c': o->p.causal = 1; break;
+      case OPT_SCALE: {
+        double scale = parse_real("--scale", v);
+        /* The stages hold the scale as a float: a larger one would be infinity. */
+        if (fabs(scale) > FLT_MAX)
+          attn_fail(EXIT_BAD_USAGE, "--scale %s is beyond fp32's range (largest %g)", v,
+                    (double)FLT_MAX);
+        o->p.scale = (float)scale, o->given_scale = 1;
+        break;
+      }
+      case OPT_SEED: {
+        char *end;
+        errno = 0;
+        o->seed = strtoull(v, &end, 10);
+        if (errno || end == v || *end || v[0] == '-')
+          attn_fail(EXIT_BAD_USAGE, "--seed must be a non-negative integer, got '%s'", v);
+        break;
+      }
+      case OPT_DTYPE:
+        if (strcmp(v, "fp32") == 0)
+          o->p.dtype = DTYPE_FP32;
+        else if (strcmp(v, "fp16") == 0)
+          o->p.dtype = DTYPE_FP16;
+        else if (strcmp(v, "bf16") == 0)
+          o->p.dtype = DTYPE_BF16;
+        else
+          attn_fail(EXIT_BAD_USAGE, "--dtype must be fp32, fp16 or bf16, got '%s'", v);
+        break;
+      case OPT_CHECK_FINITE: o->check_finite = 1; break;
+      case OPT_CHECK: o->check = o->given_check = 1; break;
+      case OPT_BENCH: o->bench = 1; break;
+      case OPT_BACKWARD: o->backward = 1; break;
+      case OPT_LOAD: o->load_dir = v; break;
+      case OPT_SAVE: o->save_dir = v; break;
+      case OPT_TSV: o->tsv_path = v; break;
+      case OPT_INPUTS:
+        if (strcmp(v, "randn") == 0)
+          o->pattern = PATTERN_RANDN;
+        else if (strcmp(v, "const-v") == 0)
+          o->pattern = PATTERN_CONST_V;
+        else if (strcmp(v, "zero-q") == 0)
+          o->pattern = PATTERN_ZERO_Q;
+        else
+          attn_fail(EXIT_BAD_USAGE, "--inputs must be randn, const-v or zero-q, got '%s'", v);
+        break;
+      case OPT_INPUT_SCALE:
+        o->input_scale = parse_real("--input-scale", v);
+        if (!(o->input_scale > 0))
+          attn_fail(EXIT_BAD_USAGE, "--input-scale must be positive, got '%s'", v);
+        break;
+      default: refuse_option(c, argv); /* '?' (unknown) or ':' (a value missing) */
     }
   }
+  /* getopt_long moves the words that are not options to the end; every one is a mistake. */
+  if (optind < argc)
+    attn_fail(EXIT_BAD_USAGE,
+              "unexpected argument '%s': every value follows its option (see --help)",
+              argv[optind]);
   if (seq_given) {
     if (!o->given_seq_q) o->p.seq_q = seq_given, o->given_seq_q = 1;
     if (!o->given_seq_kv) o->p.seq_kv = seq_given, o->given_seq_kv = 1;
@@ -252,7 +323,12 @@ typedef struct {
 } host_inputs;
 
 static void fill_normal(attn_rng *rng, float *x, size_t n, double scale) {
-  for (size_t i = 0; i < n; i++) x[i] = (float)(scale * attn_rng_normal(rng));
+  for (size_t i = 0; i < n; i++) {
+    double v = scale * attn_rng_normal(rng);
+    /* A double beyond float's range converts to infinity only where C's Annex F holds; say
+     * so explicitly, and round_inputs_or_refuse() refuses it. */
+    x[i] = fabs(v) <= FLT_MAX ? (float)v : v > 0 ? INFINITY : -INFINITY;
+  }
 }
 
 static void make_inputs(const options *o, host_inputs *in) {
@@ -273,6 +349,78 @@ static void apply_pattern(const options *o, host_inputs *in) {
     for (size_t bh = 0; bh < (size_t)p->batch * p->heads; bh++)
       for (size_t j = 1; j < nkv; j++)
         memcpy(in->v + (bh * nkv + j) * d, in->v + bh * nkv * d, sizeof(float) * d);
+}
+
+/* The largest logit bound accepted: FLT_MAX / 2^8. The stages hold S in fp32 and go on to
+ * compute with it: S * log2(e) (exp2-based kernels), S - m with m another logit of either
+ * sign (up to 2 |S|), and sums of fp32 products on the way to S; 2^8 covers those factors
+ * with room to spare, so that no intermediate of a stage's softmax overflows. */
+#define LOGIT_LIMIT (FLT_MAX / 256)
+
+/* Rounds the inputs to the stage's dtype (the stage sees exactly these values), and refuses,
+ * with exit 2 and one line, inputs that the stage cannot represent. Without this, such inputs
+ * end in infinities, NaN and a failed check that blames the stage for the input:
+ *  - an element beyond the dtype's range (65504 in fp16; 3.4e38 in fp32 and bf16) becomes
+ *    infinity, and the softmax of an infinity is NaN;
+ *  - finite inputs can still give logits beyond fp32. By Cauchy-Schwarz each logit obeys
+ *    |S_ij| <= |scale| ||q_i|| ||k_j||, and a stage may form Q K^T before scaling it, or
+ *    scale Q first; so per head, the bound max(|scale|, 1) max_i ||q_i|| max(max_j ||k_j||, 1)
+ *    covers every such intermediate and must stay below LOGIT_LIMIT. Unit-normal inputs at
+ *    d = 64 with --scale 100 (logits about 3e3) or bf16 inputs of 133120 (about 1e10) are
+ *    far inside it. */
+static void round_inputs_or_refuse(const options *o, host_inputs *in) {
+  const attn_problem *p = &o->p;
+  const char *hint = o->load_dir ? "smaller values in the files" : "a smaller --input-scale";
+  struct {
+    const char *name;
+    float *x;
+    size_t n;
+  } tensors[4] = {{"Q", in->q, attn_q_elems(p)},
+                  {"K", in->k, attn_kv_elems(p)},
+                  {"V", in->v, attn_kv_elems(p)},
+                  {"dO", in->d_o, attn_q_elems(p)}};
+  for (int t = 0; t < 4 && tensors[t].x; t++)
+    for (size_t i = 0; i < tensors[t].n; i++) {
+      float x = tensors[t].x[i], r = attn_round_to_dtype(x, p->dtype);
+      if (isfinite(r)) {
+        tensors[t].x[i] = r;
+        continue;
+      }
+      float largest = p->dtype == DTYPE_FP16   ? 65504.0f
+                      : p->dtype == DTYPE_BF16 ? 3.3895314e38f
+                                               : FLT_MAX;
+      if (isfinite(x))
+        attn_fail(EXIT_BAD_USAGE, "%s element %zu is %.3g, beyond %s's range (largest %g); use %s",
+                  tensors[t].name, i, x, attn_dtype_name(p->dtype), largest, hint);
+      attn_fail(EXIT_BAD_USAGE, "%s element %zu overflows fp32 (largest %g); use %s",
+                tensors[t].name, i, (double)FLT_MAX, hint);
+    }
+  size_t d = (size_t)p->head_dim;
+  for (long bh = 0; bh < (long)p->batch * p->heads; bh++) {
+    double max_q = 0, max_k = 0;
+    for (size_t i = 0; i < (size_t)p->seq_q; i++) {
+      const float *q = in->q + attn_q_head(p, bh) + i * d;
+      double sum = 0;
+      for (size_t c = 0; c < d; c++) sum += (double)q[c] * q[c];
+      max_q = fmax(max_q, sqrt(sum));
+    }
+    for (size_t j = 0; j < (size_t)p->seq_kv; j++) {
+      const float *k = in->k + attn_kv_head(p, bh) + j * d;
+      double sum = 0;
+      for (size_t c = 0; c < d; c++) sum += (double)k[c] * k[c];
+      max_k = fmax(max_k, sqrt(sum));
+    }
+    double bound = fmax(fabs(p->scale), 1) * max_q * fmax(max_k, 1);
+    if (!(bound <= LOGIT_LIMIT))
+      attn_fail(
+          EXIT_BAD_USAGE,
+          "logits could overflow fp32: in batch %ld head %ld, scale %g, max||q_i|| %.3g "
+          "and max||k_j|| %.3g bound |S| and its partial products by %.3g, above FLT_MAX / 2^8 = "
+          "%.3g; "
+          "use %s or a smaller --scale",
+          bh / p->heads, bh % p->heads, (double)p->scale, max_q, max_k, bound, (double)LOGIT_LIMIT,
+          hint);
+  }
 }
 
 static void npy_path(char *buf, size_t len, const char *dir, const char *name) {
@@ -466,8 +614,10 @@ static void write_tsv(const char *path, const attn_stage *s, const attn_problem 
  * (Linux would otherwise promise the memory and kill the process later). */
 static void check_host_memory(const attn_stage *s, const options *o) {
   const attn_problem *p = &o->p;
-  double nq = (double)attn_q_elems(p), nkv = (double)attn_kv_elems(p);
-  double nlse = (double)attn_lse_elems(p), grads = o->backward ? 2 * nq + 2 * nkv : 0;
+  /* In double, not size_t: B x H x N x d of sizes up to 2^24 can wrap a 64-bit count. */
+  double nlse = (double)p->batch * p->heads * p->seq_q;
+  double nq = nlse * p->head_dim, nkv = (double)p->batch * p->heads * p->seq_kv * p->head_dim;
+  double grads = o->backward ? 2 * nq + 2 * nkv : 0;
   double bytes = 4 * (2 * nq + 2 * nkv + 2 * nlse + 2 * grads); /* inputs, outputs, copies */
   if (s->device == &attn_host_device) /* the CPU stage's own buffers live here too */
     bytes += 4 * (2 * nq + 2 * nkv + nlse + grads) +
@@ -480,6 +630,32 @@ static void check_host_memory(const attn_stage *s, const options *o) {
               bytes / 1073741824.0, physical / 1073741824.0);
 }
 
+/* Refuses, before any computing, a --tsv file or --save folder that cannot be written: a
+ * typo in a path should cost a second, not the minutes of a long run. The TSV file is opened
+ * for appending; one that did not exist is removed again, so that a run refused later leaves
+ * nothing behind (write_tsv writes the header when it creates the file). The --save folder is
+ * created, and a probe file created in it and removed. */
+static void check_outputs_writable(const options *o) {
+  if (o->tsv_path) {
+    int fd = open(o->tsv_path, O_WRONLY | O_APPEND | O_CREAT | O_EXCL, 0666);
+    int created = fd >= 0;
+    if (fd < 0 && errno == EEXIST) fd = open(o->tsv_path, O_WRONLY | O_APPEND);
+    if (fd < 0) attn_fail(EXIT_BAD_USAGE, "--tsv %s: %s", o->tsv_path, strerror(errno));
+    close(fd);
+    if (created) unlink(o->tsv_path);
+  }
+  if (o->save_dir) {
+    if (mkdir(o->save_dir, 0777) != 0 && errno != EEXIST)
+      attn_fail(EXIT_BAD_USAGE, "--save %s: %s", o->save_dir, strerror(errno));
+    char probe[4096];
+    snprintf(probe, sizeof probe, "%s/.attn_write_probe_%ld", o->save_dir, (long)getpid());
+    int fd = open(probe, O_WRONLY | O_CREAT | O_EXCL, 0666);
+    if (fd < 0) attn_fail(EXIT_BAD_USAGE, "--save %s: %s", o->save_dir, strerror(errno));
+    close(fd);
+    unlink(probe);
+  }
+}
+
 /* ---- the program ------------------------------------------------------------------------------
  */
 
@@ -487,6 +663,7 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
   attn_program_name = s->name;
   options o;
   parse_options(s, argc, argv, &o);
+  check_outputs_writable(&o);
   if (o.load_dir) shape_from_files(&o);
   attn_problem *p = &o.p;
   if (!o.given_scale) p->scale = (float)(1.0 / sqrt((double)p->head_dim));
@@ -505,10 +682,7 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
   else
     make_inputs(&o, &in);
   apply_pattern(&o, &in);
-  for (size_t i = 0; i < nq; i++) in.q[i] = attn_round_to_dtype(in.q[i], p->dtype);
-  for (size_t i = 0; i < nkv; i++) in.k[i] = attn_round_to_dtype(in.k[i], p->dtype);
-  for (size_t i = 0; i < nkv; i++) in.v[i] = attn_round_to_dtype(in.v[i], p->dtype);
-  for (size_t i = 0; in.d_o && i < nq; i++) in.d_o[i] = attn_round_to_dtype(in.d_o[i], p->dtype);
+  round_inputs_or_refuse(&o, &in);
 
   attn_stamp stamp;
   memset(&stamp, 0, sizeof stamp);
@@ -595,9 +769,7 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
     write_tsv(o.tsv_path, s, p, &stamp, &fwd);
     if (o.backward) write_tsv(o.tsv_path, s, p, &stamp, &bwd);
   }
-  if (o.save_dir) {
-    if (mkdir(o.save_dir, 0777) != 0 && errno != EEXIST)
-      attn_fail(EXIT_BAD_USAGE, "--save %s: %s", o.save_dir, strerror(errno));
+  if (o.save_dir) { /* the folder exists: check_outputs_writable() made it */
     size_t q_shape[4] = {(size_t)p->batch, (size_t)p->heads, (size_t)p->seq_q, (size_t)p->head_dim};
     size_t kv_shape[4] = {q_shape[0], q_shape[1], (size_t)p->seq_kv, q_shape[3]};
     /* The inputs as the stage saw them, so that --load of this folder reruns the case. */

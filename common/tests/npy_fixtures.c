@@ -24,15 +24,22 @@ int main(int argc, char **argv) {
   if (argc != 2) return 2;
   static float zeros[1 * 2 * 5 * 32];
   size_t kv_shape[4] = {1, 2, 5, 32};
-  const char *names[4] = {"wrong_dtype", "wrong_shape", "fortran_order", "truncated"};
-  const char *dicts[4] = {"{'descr': '<f8', 'fortran_order': False, 'shape': (1, 2, 3, 32), }",
-                          "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 2, 3, 33), }",
-                          "{'descr': '<f4', 'fortran_order': True, 'shape': (1, 2, 3, 32), }",
-                          "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 2, 3, 32), }"};
-  size_t data_bytes[4] = {8 * 192, 4 * 198, 4 * 192, 4 * 100};
+  enum { FIXTURES = 6 };
+  const char *names[FIXTURES] = {"wrong_dtype", "wrong_shape",  "fortran_order",
+                                 "truncated",   "negative_dim", "huge_dim"};
+  /* negative_dim: read as unsigned, -3 once became 18446744073709551613. huge_dim: a size
+   * whose element count wraps a 64-bit size_t. */
+  const char *dicts[FIXTURES] = {
+      "{'descr': '<f8', 'fortran_order': False, 'shape': (1, 2, 3, 32), }",
+      "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 2, 3, 33), }",
+      "{'descr': '<f4', 'fortran_order': True, 'shape': (1, 2, 3, 32), }",
+      "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 2, 3, 32), }",
+      "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 2, -3, 32), }",
+      "{'descr': '<f4', 'fortran_order': False, 'shape': (1, 2, 4611686018427387904, 32), }"};
+  size_t data_bytes[FIXTURES] = {8 * 192, 4 * 198, 4 * 192, 4 * 100, 0, 0};
   char path[4096], err[256];
   mkdir(argv[1], 0777);
-  for (int n = 0; n < 4; n++) {
+  for (int n = 0; n < FIXTURES; n++) {
     snprintf(path, sizeof path, "%s/%s", argv[1], names[n]);
     mkdir(path, 0777);
     snprintf(path, sizeof path, "%s/%s/q.npy", argv[1], names[n]);

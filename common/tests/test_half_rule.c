@@ -1,4 +1,4 @@
-/* The half-precision tolerance rule (CONVENTIONS.md section 3) accepts what it should and
+/* The half-precision tolerance rule (docs/conventions.md section 3) accepts what it should and
  * rejects what it should: the baseline's own outputs pass; the same outputs with one element
  * moved by twice the tolerance, or one NaN, fail. fp16 and bf16, causal and not, forward
  * and backward, on a shape with a fully masked row (Nq > Nkv, causal). */

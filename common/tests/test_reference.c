@@ -1,5 +1,5 @@
 /* The float64 reference backward, checked against central finite differences of its own
- * forward (CONVENTIONS.md section 3), and the invariants of dS. Exit 0 when all hold. */
+ * forward (docs/conventions.md section 3), and the invariants of dS. Exit 0 when all hold. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
