@@ -75,8 +75,11 @@ __global__ void __launch_bounds__(Br)
     flash_forward_kernel(const float *__restrict__ q, const float *__restrict__ k,
                          const float *__restrict__ v, float *__restrict__ o,
                          float *__restrict__ lse, int nq, int nkv, float scale) {
-  long bh = blockIdx.y;
-  int i = blockIdx.x * Br + threadIdx.x; /* this thread's query row */
+  /* Blocks are numbered along x only (the grid's y and z stop at 65535, x at 2^31 - 1):
+   * a head's row blocks are adjacent. */
+  int row_blocks = (nq + Br - 1) / Br;
+  long bh = blockIdx.x / row_blocks;
+  int i = (int)(blockIdx.x % row_blocks) * Br + threadIdx.x; /* this thread's query row */
   if (i >= nq) return;
   const float *K = k + bh * nkv * D, *V = v + bh * nkv * D;
   float q_row[D], acc[D], s[Bc];
@@ -94,7 +97,8 @@ __global__ void __launch_bounds__(Br)
 
 template <int D>
 static void launch(const attn_problem *p, const attn_buffers *t) {
-  dim3 grid((p->seq_q + Br - 1) / Br, p->batch * p->heads);
+  int heads = p->batch * p->heads;
+  dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
   flash_forward_kernel<D><<<grid, Br>>>((const float *)t->q, (const float *)t->k,
                                         (const float *)t->v, (float *)t->o, t->lse, p->seq_q,
                                         p->seq_kv, p->scale);
@@ -110,17 +114,12 @@ static void forward(const attn_problem *p, const attn_buffers *t) {
 }
 
 static const attn_stage stage = {
-    "03_cuda_forward",
-    "the online softmax on the GPU: one thread per query row, K and V from global memory",
-    &attn_cuda_device,
-    {32, 64, 128},
-    0,
-    0, /* has_causal */
-    1, /* saves_lse */
-    NULL,
-    forward,
-    NULL,
-    NULL,
+    .name = "03_cuda_forward",
+    .idea = "the online softmax on the GPU: one thread per query row, K and V from global memory",
+    .device = &attn_cuda_device,
+    .head_dims = {32, 64, 128},
+    .saves_lse = 1,
+    .forward = forward,
 };
 
 int main(int argc, char **argv) { return attention_main(&stage, argc, argv); }

@@ -92,8 +92,11 @@ __global__ void __launch_bounds__(Br)
                          float *__restrict__ lse, int nq, int nkv, float scale) {
   extern __shared__ float4 smem[]; /* float4: the tiles are read and written as float4 */
   float *Ks = reinterpret_cast<float *>(smem), *Vs = Ks + Bc * D;
-  long bh = blockIdx.y;
-  int i = blockIdx.x * Br + threadIdx.x; /* this thread's query row */
+  /* Blocks are numbered along x only (the grid's y and z stop at 65535, x at 2^31 - 1):
+   * a head's row blocks are adjacent. */
+  int row_blocks = (nq + Br - 1) / Br;
+  long bh = blockIdx.x / row_blocks;
+  int i = (int)(blockIdx.x % row_blocks) * Br + threadIdx.x; /* this thread's query row */
   /* A thread past the last row still helps load tiles and meets every barrier. */
   bool has_row = i < nq;
   const float *K = k + bh * nkv * D, *V = v + bh * nkv * D;
@@ -115,7 +118,8 @@ __global__ void __launch_bounds__(Br)
 
 template <int D>
 static void launch(const attn_problem *p, const attn_buffers *t) {
-  dim3 grid((p->seq_q + Br - 1) / Br, p->batch * p->heads);
+  int heads = p->batch * p->heads;
+  dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
   attn_require_shared_memory((const void *)flash_forward_kernel<D>, tile_bytes(D),
                              "flash_forward_kernel");
   flash_forward_kernel<D><<<grid, Br, tile_bytes(D)>>>((const float *)t->q, (const float *)t->k,
@@ -133,17 +137,12 @@ static void forward(const attn_problem *p, const attn_buffers *t) {
 }
 
 static const attn_stage stage = {
-    "04_shared_memory",
-    "K/V tiles in shared memory, loaded once per block and reused by every row",
-    &attn_cuda_device,
-    {32, 64, 128},
-    0,
-    0, /* has_causal */
-    1, /* saves_lse */
-    NULL,
-    forward,
-    NULL,
-    NULL,
+    .name = "04_shared_memory",
+    .idea = "K/V tiles in shared memory, loaded once per block and reused by every row",
+    .device = &attn_cuda_device,
+    .head_dims = {32, 64, 128},
+    .saves_lse = 1,
+    .forward = forward,
 };
 
 int main(int argc, char **argv) { return attention_main(&stage, argc, argv); }

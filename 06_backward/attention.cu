@@ -183,19 +183,22 @@ __device__ float sum_over_row_lanes(float x) {
 /* Keys per dK/dV block (row_lanes(d) threads each): 4 warps at d <= 64; with dK and dV
  * (2d floats) in registers, about two such blocks fit an SM. */
 constexpr int Bc_bwd = 128;
+/* Keys per dK/dV block where the device cannot give a block dkdv_bytes(d, Bc_bwd) (144 KiB at
+ * d = 128; sm_86 and sm_89 allow 99 KiB): half the keys, half the K^T and V^T tiles. */
+constexpr int Bc_bwd_small = 64;
 /* Query rows per tile of the dK/dV kernel: Q and dO tiles of 16 rows are read as
  * broadcasts by every thread; 16 keeps the block's shared memory (the transposed K and V
- * tiles plus these) at 144 KiB for d = 128, under the 227 KiB opt-in limit. */
+ * tiles plus these) at 144 KiB for d = 128, under the 227 KiB opt-in limit of sm_90 and the 163 KiB of sm_80. */
 constexpr int Br_bwd = 16;
 
 static size_t backward_workspace(const attn_problem *p) {
   return sizeof(float) * attn_lse_elems(p);
 }
 
-/* Shared memory of the dK/dV kernel: K^T and V^T (d x Bc_bwd), Q and dO tiles (Br_bwd x d),
+/* Shared memory of the dK/dV kernel: K^T and V^T (d x bc), Q and dO tiles (Br_bwd x d),
  * LSE and D of the tile's rows. */
-static size_t dkdv_bytes(int d) {
-  return sizeof(float) * (2 * (size_t)Bc_bwd * d + 2 * (size_t)Br_bwd * d + 2 * Br_bwd);
+static size_t dkdv_bytes(int d, int bc) {
+  return sizeof(float) * (2 * (size_t)bc * d + 2 * (size_t)Br_bwd * d + 2 * Br_bwd);
 }
 
 /* D_i = sum_c dO_ic O_ic, one thread per row. (It equals sum_j dP_ij P_ij: the backward of
@@ -211,16 +214,17 @@ __global__ void compute_delta_kernel(const float *o, const float *d_o, float *de
 
 /* Where column c of key `key` lives in the transposed K and V tiles: [c / lanes][key][lane],
  * so the threads of a warp read consecutive words: no bank conflicts (d <= 64: Kt[c][j]). */
-template <int LANES>
+template <int LANES, int BC>
 __device__ int transposed_index(int c, int key) {
-  return ((c / LANES) * Bc_bwd + key) * LANES + c % LANES;
+  return ((c / LANES) * BC + key) * LANES + c % LANES;
 }
 
-/* row_lanes(D) threads per key j of the block's Bc_bwd keys. K and V are stored transposed
- * in shared memory (transposed_index) so that a warp reads consecutive words. Q and dO rows
- * are read by all threads at once: broadcasts. */
-template <int D>
-__global__ void __launch_bounds__(row_lanes(D) * Bc_bwd)
+/* row_lanes(D) threads per key j of the block's BC keys (Bc_bwd, or Bc_bwd_small where shared
+ * memory is smaller). K and V are stored transposed in shared memory (transposed_index) so
+ * that a warp reads consecutive words. Q and dO rows are read by all threads at once:
+ * broadcasts. */
+template <int D, int BC>
+__global__ void __launch_bounds__(row_lanes(D) * BC)
     flash_backward_dkdv_kernel(const float *__restrict__ q, const float *__restrict__ k,
                                const float *__restrict__ v, const float *__restrict__ d_o,
                                const float *__restrict__ lse, const float *__restrict__ delta,
@@ -228,20 +232,20 @@ __global__ void __launch_bounds__(row_lanes(D) * Bc_bwd)
                                int heads, float scale, int causal) {
   constexpr int LANES = row_lanes(D), Dp = D / LANES; /* Dp: the columns one thread owns */
   extern __shared__ float4 smem_bwd[];
-  float *Kt = reinterpret_cast<float *>(smem_bwd), *Vt = Kt + D * Bc_bwd;
-  float *Qs = Vt + D * Bc_bwd, *dOs = Qs + Br_bwd * D;
+  float *Kt = reinterpret_cast<float *>(smem_bwd), *Vt = Kt + D * BC;
+  float *Qs = Vt + D * BC, *dOs = Qs + Br_bwd * D;
   float *lse_s = dOs + Br_bwd * D, *delta_s = lse_s + Br_bwd;
-  int key_blocks = (nkv + Bc_bwd - 1) / Bc_bwd;
+  int key_blocks = (nkv + BC - 1) / BC;
   long bh = blockIdx.x / key_blocks;
   int key = threadIdx.x / LANES, part = threadIdx.x % LANES;
-  int j0 = (int)(blockIdx.x % key_blocks) * Bc_bwd, j = j0 + key;
-  int cols = min(Bc_bwd, nkv - j0), offset = nkv - nq;
+  int j0 = (int)(blockIdx.x % key_blocks) * BC, j = j0 + key;
+  int cols = min(BC, nkv - j0), offset = nkv - nq;
   const float *K = k + (bh * nkv + j0) * D, *V = v + (bh * nkv + j0) * D;
   /* Coalesced reads of the K and V rows, written transposed. */
-  for (int e = threadIdx.x; e < Bc_bwd * D; e += blockDim.x) {
+  for (int e = threadIdx.x; e < BC * D; e += blockDim.x) {
     int row = e / D, c = e % D;
-    Kt[transposed_index<LANES>(c, row)] = row < cols ? K[e] : 0.f;
-    Vt[transposed_index<LANES>(c, row)] = row < cols ? V[e] : 0.f;
+    Kt[transposed_index<LANES, BC>(c, row)] = row < cols ? K[e] : 0.f;
+    Vt[transposed_index<LANES, BC>(c, row)] = row < cols ? V[e] : 0.f;
   }
   float dk_acc[Dp], dv_acc[Dp];
 #pragma unroll
@@ -268,7 +272,7 @@ __global__ void __launch_bounds__(row_lanes(D) * Bc_bwd)
       const float *K_j = Kt + key * LANES + part, *V_j = Vt + key * LANES + part;
       float s = 0.f, dp = 0.f;
 #pragma unroll
-      for (int c = 0; c < Dp; c++) s += Q_r[c * LANES] * K_j[c * Bc_bwd * LANES];
+      for (int c = 0; c < Dp; c++) s += Q_r[c * LANES] * K_j[c * BC * LANES];
       s = sum_over_row_lanes<LANES>(s);
       /* P from the saved LSE; a masked entry is 0 (and exp is never asked for it, so a row
        * that sees no key, LSE = -inf, cannot make a NaN). */
@@ -276,7 +280,7 @@ __global__ void __launch_bounds__(row_lanes(D) * Bc_bwd)
 #pragma unroll
       for (int c = 0; c < Dp; c++) {
         dv_acc[c] += prob * dO_r[c * LANES];
-        dp += dO_r[c * LANES] * V_j[c * Bc_bwd * LANES];
+        dp += dO_r[c * LANES] * V_j[c * BC * LANES];
       }
       float ds = prob * (sum_over_row_lanes<LANES>(dp) - delta_s[r]);
 #pragma unroll
@@ -350,6 +354,18 @@ __global__ void __launch_bounds__(row_lanes(D) * Br)
   }
 }
 
+template <int D, int BC>
+static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const float *delta) {
+  int heads = p->batch * p->heads;
+  attn_require_shared_memory((const void *)flash_backward_dkdv_kernel<D, BC>, dkdv_bytes(D, BC),
+                             "flash_backward_dkdv_kernel");
+  unsigned key_blocks = (unsigned)((p->seq_kv + BC - 1) / BC * heads);
+  flash_backward_dkdv_kernel<D, BC><<<key_blocks, BC * row_lanes(D), dkdv_bytes(D, BC)>>>(
+      (const float *)t->q, (const float *)t->k, (const float *)t->v, (const float *)t->d_o, t->lse,
+      delta, (float *)t->dk, (float *)t->dv, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
+  CHECK_LAUNCH("flash_backward_dkdv_kernel");
+}
+
 template <int D>
 static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   int heads = p->batch * p->heads;
@@ -359,13 +375,10 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   compute_delta_kernel<<<(unsigned)((rows + delta_threads - 1) / delta_threads), delta_threads>>>(
       (const float *)t->o, (const float *)t->d_o, delta, rows, D);
   CHECK_LAUNCH("compute_delta_kernel");
-  attn_require_shared_memory((const void *)flash_backward_dkdv_kernel<D>, dkdv_bytes(D),
-                             "flash_backward_dkdv_kernel");
-  unsigned key_blocks = (unsigned)((p->seq_kv + Bc_bwd - 1) / Bc_bwd * heads);
-  flash_backward_dkdv_kernel<D><<<key_blocks, Bc_bwd * row_lanes(D), dkdv_bytes(D)>>>(
-      (const float *)t->q, (const float *)t->k, (const float *)t->v, (const float *)t->d_o, t->lse,
-      delta, (float *)t->dk, (float *)t->dv, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
-  CHECK_LAUNCH("flash_backward_dkdv_kernel");
+  if (dkdv_bytes(D, Bc_bwd) <= attn_shared_memory_limit())
+    launch_dkdv<D, Bc_bwd>(p, t, delta);
+  else
+    launch_dkdv<D, Bc_bwd_small>(p, t, delta);
   attn_require_shared_memory((const void *)flash_backward_dq_kernel<D>, tile_bytes(D),
                              "flash_backward_dq_kernel");
   unsigned row_blocks = (unsigned)((p->seq_q + Br - 1) / Br * heads);
@@ -384,17 +397,15 @@ static void backward(const attn_problem *p, const attn_buffers *t) {
 }
 
 static const attn_stage stage = {
-    "06_backward",
-    "the backward: recompute P from LSE tile by tile; dK, dV per key, then dQ per query",
-    &attn_cuda_device,
-    {32, 64, 128},
-    0,
-    1, /* has_causal */
-    1, /* saves_lse */
-    NULL,
-    forward,
-    backward_workspace,
-    backward,
+    .name = "06_backward",
+    .idea = "the backward: recompute P from LSE tile by tile; dK, dV per key, then dQ per query",
+    .device = &attn_cuda_device,
+    .head_dims = {32, 64, 128},
+    .has_causal = 1,
+    .saves_lse = 1,
+    .forward = forward,
+    .backward_workspace = backward_workspace,
+    .backward = backward,
 };
 
 int main(int argc, char **argv) { return attention_main(&stage, argc, argv); }

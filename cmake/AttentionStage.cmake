@@ -3,7 +3,7 @@
 # Builds one stage program (a .c file runs on the CPU, a .cu file on the GPU) and registers
 # its CTest cases, named "<stage>.<case>" so that `ctest -R 02_` runs one stage, and
 # labelled cpu, gpu or sanitizer. A GPU test run where there is no GPU exits 77, which CTest
-# shows as skipped, never as passed. The matrix is CONVENTIONS.md section 4.
+# shows as skipped, never as passed. The matrix is docs/conventions.md section 4.
 
 set(ATTN_CMAKE_DIR ${CMAKE_CURRENT_LIST_DIR})
 set(ATTN_BIN_DIR ${CMAKE_BINARY_DIR}/bin)
@@ -15,7 +15,7 @@ if(ATTN_CUDA)
   endif()
 endif()
 
-# Square N, (Nq, Nkv) pairs, the (B, H) list (CONVENTIONS.md section 4).
+# Square N, (Nq, Nkv) pairs, the (B, H) list (docs/conventions.md section 4).
 set(ATTN_SQUARE_N 1 2 5 17 64 97 113 127 128 129 200 257 1023 1025)
 set(ATTN_PAIRS 1,147 3,799 113,203 128,217 127,513 256,512 512,256 239,1 799,3 1023,1024
                1024,1023)
@@ -29,6 +29,11 @@ function(attn_test stage case kind)
   add_test(NAME ${name} COMMAND ${stage} ${ARGN})
   set_tests_properties(${name} PROPERTIES LABELS ${kind} SKIP_RETURN_CODE 77 TIMEOUT 600)
 endfunction()
+
+# The shared memory per block of the smallest GPUs a stage claims: sm_86 and sm_89 (99 KiB)
+# and sm_80 (163 KiB). Tests run with ATTN_SHARED_MEMORY_LIMIT set to each, so the tiles a
+# stage picks for those GPUs are exercised on whatever GPU runs the tests.
+set(ATTN_SMALL_SHARED_MEMORY 101376 166912)
 
 # A run that must exit with `code` and print a line matching `regex`.
 function(attn_expect stage case kind code regex)
@@ -68,9 +73,12 @@ function(attention_stage name source)
   add_executable(${name} ${source})
   if(kind STREQUAL "gpu")
     target_link_libraries(${name} PRIVATE attn_gpu)
-    # Report registers, spills and shared memory per kernel at build time.
-    target_compile_options(${name} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-Xptxas=-v>
-                                           $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo>)
+    # -lineinfo: Nsight Compute and compute-sanitizer name source lines. ptxas's report of
+    # registers, spills and shared memory per kernel on request (-DATTN_PTXAS_VERBOSE=ON).
+    target_compile_options(${name} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo>)
+    if(ATTN_PTXAS_VERBOSE)
+      target_compile_options(${name} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-Xptxas=-v>)
+    endif()
   else()
     target_link_libraries(${name} PRIVATE attn_common)
   endif()
@@ -112,15 +120,23 @@ function(attention_stage name source)
         set(m ".causal")
         set(c --causal)
       endif()
-      foreach(n ${ATTN_SQUARE_N})
-        attn_test(${name} square.N${n}${m}${t} ${kind} ${common_args} ${c} ${bwd} -n ${n} -d 64)
-      endforeach()
-      foreach(pair ${ATTN_PAIRS})
-        string(REPLACE "," ";" qk ${pair})
-        list(GET qk 0 nq)
-        list(GET qk 1 nkv)
-        attn_test(${name} pair.${nq}x${nkv}${m}${t} ${kind} ${common_args} ${c} ${bwd} -H 2
-                  --seq-q ${nq} --seq-kv ${nkv} -d 64)
+      # The square-N list and the (Nq, Nkv) pairs at d = 64 and, as thoroughly, d = 128.
+      foreach(d 64 128)
+        set(dn "")
+        if(NOT d EQUAL 64)
+          set(dn ".d${d}")
+        endif()
+        foreach(n ${ATTN_SQUARE_N})
+          attn_test(${name} square.N${n}${dn}${m}${t} ${kind} ${common_args} ${c} ${bwd} -n ${n}
+                    -d ${d})
+        endforeach()
+        foreach(pair ${ATTN_PAIRS})
+          string(REPLACE "," ";" qk ${pair})
+          list(GET qk 0 nq)
+          list(GET qk 1 nkv)
+          attn_test(${name} pair.${nq}x${nkv}${dn}${m}${t} ${kind} ${common_args} ${c} ${bwd} -H 2
+                    --seq-q ${nq} --seq-kv ${nkv} -d ${d})
+        endforeach()
       endforeach()
       foreach(d ${dims})
         attn_test(${name} dim.d${d}${m}${t} ${kind} ${common_args} ${c} ${bwd} -b 2 -H 3 -n 129
@@ -170,25 +186,55 @@ function(attention_stage name source)
         # More (batch, head) pairs than 4 x the SMs of an H100 (132) or an A100 (108).
         attn_test(${name} heads.many${m}${t} ${kind} ${common_args} ${c} ${bwd} -b 8 -H 72
                   -n 64 -d 64)
-        attn_compare_runs(${name} deterministic${m}${t} ${kind} repeat ${common_args} ${c}
+        # Past the grid's y and z limits (65535): B x H = 65538.
+        attn_test(${name} heads.over_65535${m}${t} ${kind} ${common_args} ${c} ${bwd} -b 2
+                  -H 32769 -n 3 -d ${d0})
+        # The forward and, where there is one, the backward: identical bits run after run.
+        attn_compare_runs(${name} deterministic${m}${t} ${kind} repeat ${common_args} ${c} ${bwd}
                           -b 2 -H 3 -n 1025 -d 64)
+        # The tiles the smallest GPUs get (see ATTN_SMALL_SHARED_MEMORY), every head dim.
+        foreach(limit ${ATTN_SMALL_SHARED_MEMORY})
+          foreach(d ${dims})
+            foreach(shape "-n;257" "--seq-q;127;--seq-kv;513")
+              string(REPLACE ";" "" sn "${shape}")
+              string(REPLACE "--seq-q" "q" sn "${sn}")
+              string(REPLACE "--seq-kv" "kv" sn "${sn}")
+              string(REPLACE "-n" "N" sn "${sn}")
+              attn_test(${name} smem${limit}.d${d}.${sn}${m}${t} ${kind} ${common_args} ${c}
+                        ${bwd} -b 2 -H 3 ${shape} -d ${d})
+              set_tests_properties(${name}.smem${limit}.d${d}.${sn}${m}${t} PROPERTIES
+                                   ENVIRONMENT ATTN_SHARED_MEMORY_LIMIT=${limit})
+            endforeach()
+          endforeach()
+        endforeach()
       endif()
     endforeach()
   endforeach()
 
-  # compute-sanitizer memcheck and racecheck on small shapes (label "sanitizer").
+  # compute-sanitizer's four tools on small shapes (label "sanitizer"): memcheck (out of
+  # bounds), racecheck (shared-memory races), initcheck (reads of global memory nothing
+  # wrote), synccheck (barriers not reached by every thread). With the large tiles, and
+  # with the tiles of a 99 KiB GPU.
   if(kind STREQUAL "gpu")
     set(small --check -b 2 -H 3 --seq-q 97 --seq-kv 130 -d 64)
     set(variants plain)
     if(ARG_CAUSAL)
       list(APPEND variants causal)
     endif()
-    foreach(tool memcheck racecheck)
-      foreach(variant ${variants})
+    foreach(tool memcheck racecheck initcheck synccheck)
+      foreach(variant ${variants} small_smem)
         foreach(dtype ${dtypes})
           set(extra --dtype ${dtype})
+          set(env "")
           if(variant STREQUAL "causal")
             list(APPEND extra --causal --seq-q 130 --seq-kv 97)
+          elseif(variant STREQUAL "small_smem")
+            list(GET ATTN_SMALL_SHARED_MEMORY 0 smallest)
+            set(env ATTN_SHARED_MEMORY_LIMIT=${smallest})
+            list(APPEND extra -d 128)
+            if(ARG_CAUSAL)
+              list(APPEND extra --causal)
+            endif()
           endif()
           if(ARG_BACKWARD)
             list(APPEND extra --backward)
@@ -209,8 +255,25 @@ function(attention_stage name source)
           set_tests_properties(${tname} PROPERTIES LABELS "gpu;sanitizer" SKIP_RETURN_CODE 77
                                                    SKIP_REGULAR_EXPRESSION "${ATTN_SKIP_REGEX}"
                                                    TIMEOUT 900)
+          if(env)
+            set_tests_properties(${tname} PROPERTIES ENVIRONMENT ${env})
+          endif()
         endforeach()
       endforeach()
+    endforeach()
+  endif()
+
+  if(kind STREQUAL "gpu" AND ARG_BACKWARD)
+    # Where even the small tiles do not fit, a clear refusal (exit 2), not a failed launch;
+    # and a limit that is not a byte count is refused too.
+    foreach(case "limit_too_small;40000;needs [0-9]+ bytes of shared memory"
+                 "limit_not_a_number;99KiB;ATTN_SHARED_MEMORY_LIMIT must be a positive byte count")
+      list(GET case 0 what)
+      list(GET case 1 value)
+      list(GET case 2 regex)
+      attn_expect(${name} bad.shared_memory_${what} ${kind} 2 "${regex}" --backward -d 128 -n 64)
+      set_tests_properties(${name}.bad.shared_memory_${what} PROPERTIES
+                           ENVIRONMENT ATTN_SHARED_MEMORY_LIMIT=${value})
     endforeach()
   endif()
 
@@ -247,4 +310,42 @@ function(attention_stage name source)
                 --seq-q 3 --seq-kv 5 -d ${d0})
     set_tests_properties(${name}.bad.npy_${bad} PROPERTIES FIXTURES_REQUIRED npy_fixtures)
   endforeach()
+  attn_expect(${name} bad.npy_negative_dim ${kind} 2 "q.npy: dimension 2 is -3" --load
+              ${ATTN_NPY_FIXTURES}/negative_dim -H 2 --seq-q 3 --seq-kv 5 -d ${d0})
+  attn_expect(${name} bad.npy_huge_dim ${kind} 2
+              "q.npy: dimension 2 is 4611686018427387904. the array's size overflows" --load
+              ${ATTN_NPY_FIXTURES}/huge_dim -H 2 --seq-q 3 --seq-kv 5 -d ${d0})
+  set_tests_properties(${name}.bad.npy_negative_dim ${name}.bad.npy_huge_dim
+                       PROPERTIES FIXTURES_REQUIRED npy_fixtures)
+  # The command line: getopt_long's forms and a word that belongs to no option.
+  attn_expect(${name} bad.seq_long_form ${kind} 2
+              "--seq must be an integer in 1..[0-9]+, got 'abc'" --seq=abc)
+  attn_expect(${name} bad.stray_argument ${kind} 2 "unexpected argument 'extra'" -n 64 extra)
+  # What the stage cannot represent is refused up front, not left to end in NaN and a failed
+  # check: a scale beyond fp32, inputs beyond the dtype, logits that could overflow fp32.
+  set(wide fp32) # the stage's widest dtype: its inputs overflow only beyond fp32's range
+  if(ARG_DTYPES)
+    list(GET ARG_DTYPES -1 wide)
+  endif()
+  attn_expect(${name} bad.scale_overflow ${kind} 2 "--scale 1e39 is beyond fp32's range"
+              --scale 1e39)
+  attn_expect(${name} bad.logits_scale ${kind} 2 "logits could overflow fp32" --scale 1e37)
+  attn_expect(${name} bad.logits_input_scale ${kind} 2 "logits could overflow fp32" --dtype
+              ${wide} --input-scale 1e30)
+  attn_expect(${name} bad.input_overflow ${kind} 2 "Q element 0 overflows fp32" --input-scale
+              1e39)
+  if("fp16" IN_LIST ARG_DTYPES)
+    attn_expect(${name} bad.input_beyond_fp16 ${kind} 2
+                "Q element [0-9]+ is [-0-9.e+]+, beyond fp16's range .largest 65504."
+                --dtype fp16 --input-scale 1e6)
+  endif()
+  # Outputs that cannot be written are found before any computing: each run also asks for a
+  # problem too large for memory, refused before any input exists, so the path must be
+  # refused before that.
+  attn_expect(${name} bad.tsv_unwritable ${kind} 2
+              "--tsv /nonexistent_dir/x.tsv: No such file or directory" --tsv
+              /nonexistent_dir/x.tsv -b 16384 -H 16384 -n 16384)
+  attn_expect(${name} bad.save_unwritable ${kind} 2
+              "--save .*/CMakeLists.txt/saved: Not a directory" --save
+              ${CMAKE_CURRENT_SOURCE_DIR}/CMakeLists.txt/saved -b 16384 -H 16384 -n 16384)
 endfunction()

@@ -16,6 +16,11 @@ void attn_cuda_check(cudaError_t err, const char *what, const char *file, int li
 #define CHECK_LAUNCH(kernel_name) \
   attn_cuda_check(cudaGetLastError(), kernel_name, __FILE__, __LINE__)
 
+/* The shared memory one block may opt in to on this device, in bytes; the environment
+ * variable ATTN_SHARED_MEMORY_LIMIT lowers it (never raises it), so that a stage's choice of
+ * tile for a smaller GPU can be exercised on a larger one. */
+size_t attn_shared_memory_limit(void);
+
 /* Allows `kernel` `bytes` of dynamic shared memory, or exits 2 naming the limit when the
  * device cannot give that much to one block. */
 void attn_require_shared_memory(const void *kernel, size_t bytes, const char *kernel_name);
