@@ -6,7 +6,7 @@
  * timing, .npy files, result rows) lives here, once, so that a stage file holds only its
  * algorithm and `diff` between two stages shows only the idea that was added.
  *
- * Layout (CONVENTIONS.md section 1): row-major [B, H, N, d], LSE [B, H, Nq].
+ * Layout (docs/conventions.md section 1): row-major [B, H, N, d], LSE [B, H, Nq].
  */
 #ifndef ATTENTION_H
 #define ATTENTION_H
@@ -18,7 +18,7 @@
 extern "C" {
 #endif
 
-/* Exit codes of every stage program (CONVENTIONS.md section 2). */
+/* Exit codes of every stage program (docs/conventions.md section 2). */
 enum { EXIT_OK = 0, EXIT_CHECK_FAILED = 1, EXIT_BAD_USAGE = 2, EXIT_NO_DEVICE = 77 };
 
 typedef enum { DTYPE_FP32 = 0, DTYPE_FP16 = 1, DTYPE_BF16 = 2 } attn_dtype;

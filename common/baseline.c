@@ -1,4 +1,4 @@
-/* The plain same-precision baseline (CONVENTIONS.md section 3). Everything in float (fp32
+/* The plain same-precision baseline (docs/conventions.md section 3). Everything in float (fp32
  * accumulation); the two matrices a tensor-core kernel must feed to a product in the
  * dtype, P and dS, are rounded to it first; the outputs are rounded to it, and the
  * backward's D = rowsum(dO * O) uses O as the forward stored it, in the dtype (as every

@@ -1,4 +1,4 @@
-/* The plain same-precision baseline of the half-precision tolerance rule (CONVENTIONS.md
+/* The plain same-precision baseline of the half-precision tolerance rule (docs/conventions.md
  * section 3): attention computed the way a straightforward fp16/bf16 implementation
  * would, so that a stage's error can be compared with "what the dtype costs anyway". */
 #ifndef ATTN_BASELINE_H

@@ -12,7 +12,7 @@ extern const char *attn_program_name;
 /* Above this many multiply-adds the reference checks a sample of rows, not every row
  * (about 2 s in double on one core). The tests stay under it: they check every row. */
 #define FULL_CHECK_MAX_MACS 2147483648.0
-/* The least number of rows a sampled check compares (CONVENTIONS.md section 3). */
+/* The least number of rows a sampled check compares (docs/conventions.md section 3). */
 enum { MIN_SAMPLED_ROWS = 256 };
 
 typedef struct {
@@ -33,7 +33,7 @@ static double *widen(const float *x, size_t n) {
   return y;
 }
 
-/* ---- the half-precision rule (CONVENTIONS.md section 3) ---------------------------------
+/* ---- the half-precision rule (docs/conventions.md section 3) ---------------------------------
  * A half-precision output cannot be compared with the float64 reference at fp32 accuracy:
  * rounding P or dS to 8 or 11 bits costs more than any kernel bug worth catching. So the
  * stage's error may be at most `m` times the error of the plain same-precision baseline

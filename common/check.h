@@ -1,4 +1,4 @@
-/* Checking a stage's outputs (CONVENTIONS.md section 3). */
+/* Checking a stage's outputs (docs/conventions.md section 3). */
 #ifndef ATTN_CHECK_H
 #define ATTN_CHECK_H
 

@@ -70,7 +70,7 @@ static cublasHandle_t handle(void) {
   static cublasHandle_t h = NULL;
   if (!h) {
     cublas_check(cublasCreate(&h), "cublasCreate");
-    /* fp32 products in fp32: no TF32 tensor cores (CONVENTIONS.md: fp32 against fp32). */
+    /* fp32 products in fp32: no TF32 tensor cores (docs/conventions.md: fp32 against fp32). */
     cublas_check(cublasSetMathMode(h, CUBLAS_PEDANTIC_MATH), "cublasSetMathMode");
   }
   return h;
@@ -101,17 +101,13 @@ static void forward(const attn_problem *p, const attn_buffers *t) {
 }
 
 static const attn_stage stage = {
-    "cublas_baseline",
-    "standard GPU attention: cuBLAS S = Q K^T, softmax kernel, cuBLAS P V (fp32, no TF32)",
-    &attn_cuda_device,
-    {0},
-    0,
-    1, /* has_causal */
-    1, /* saves_lse */
-    forward_workspace,
-    forward,
-    NULL,
-    NULL,
+    .name = "cublas_baseline",
+    .idea = "standard GPU attention: cuBLAS S = Q K^T, softmax kernel, cuBLAS P V (fp32, no TF32)",
+    .device = &attn_cuda_device,
+    .has_causal = 1,
+    .saves_lse = 1,
+    .forward_workspace = forward_workspace,
+    .forward = forward,
 };
 
 int main(int argc, char **argv) { return attention_main(&stage, argc, argv); }

@@ -30,7 +30,7 @@ struct attn_device {
   void (*timer_start)(void);
   double (*timer_stop_ms)(void);    /* waits for the work since timer_start */
   int quick_warmups, quick_repeats; /* a default run */
-  int bench_warmups, bench_repeats; /* --bench (CONVENTIONS.md section 5) */
+  int bench_warmups, bench_repeats; /* --bench (docs/conventions.md section 5) */
 };
 
 extern const attn_device attn_host_device;

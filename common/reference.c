@@ -1,4 +1,4 @@
-/* The float64 reference: attention exactly as CONVENTIONS.md section 1 defines it, in
+/* The float64 reference: attention exactly as docs/conventions.md section 1 defines it, in
  * double, one row at a time, written to be read rather than to be fast. Every stage is
  * checked against it; its backward is itself checked by finite differences
  * (tests/test_reference.c). */
