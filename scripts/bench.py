@@ -1,14 +1,22 @@
 #!/usr/bin/env python3
-"""The benchmark command: the sweep of CONVENTIONS.md section 5 for every stage this machine
-can run (and PyTorch's SDPA backends where scripts/compare_pytorch.py can run), written to
-docs/results/<device>/ (cpu.tsv, gpu.tsv), then the plots and the README's results table.
+"""The benchmark command: the sweep of docs/conventions.md section 5 for every stage this
+machine can run (and PyTorch's SDPA backends where scripts/compare_pytorch.py can run),
+written to docs/results/<device>/ (cpu.tsv, gpu.tsv), then the plots and the README's
+results table.
 
-Rows of a stage that was swept replace that stage's committed rows; every other row is kept,
-so a CPU-only machine refreshes the CPU rows and keeps the committed GPU rows. Progress
-(done/total, the current stage and shape, time left) goes to stderr.
+The folder is named after the device the programs stamp their rows with: cpu-<model> for
+the CPU stages, the GPU's name for the GPU stages. Rows of a stage that was swept replace
+that stage's rows in that folder; every other row is kept, so a CPU-only machine refreshes
+its CPU rows and keeps the committed GPU rows. On a CPU or GPU other than the committed
+ones the rows go to a new folder with its own plots; the README's table keeps showing the
+reference folders (scripts/attn.py, REFERENCE_FOLDERS) and names the others. Only the
+folders this run wrote are redrawn (and the GPU folders, when the reference CPU folder was
+one of them: their ladder shows its rows). Progress (done/total, the current stage and
+shape, time left) goes to stderr.
 
   python3 scripts/bench.py --bin build/bin                    # everything this machine runs
   python3 scripts/bench.py --bin build/bin --stages 07_tensor_cores --budget 300
+  python3 scripts/bench.py --redraw                           # every plot and table, no run
 """
 import argparse
 import os
@@ -91,19 +99,25 @@ def main():
         merge(os.path.join(folder, f"{kind}.tsv"), os.path.join(fresh, f"{kind}.tsv"), swept)
         folders.append(folder)
     shutil.rmtree(tmp, ignore_errors=True)
-    redraw(a.docs)
+    redraw(a.docs, only=folders)
     return 0
 
 
-def redraw(docs):
-    """Plots of every device folder (GPU folders also get the CPU rows, for the ladder), then
-    the README's results table and ARCHITECTURE.md's diff table."""
-    folders = sorted(d for d in (os.path.join(docs, x) for x in os.listdir(docs))
-                     if any(os.path.exists(os.path.join(d, f)) for f in ("cpu.tsv", "gpu.tsv")))
-    cpu = [d for d in folders if os.path.basename(d).startswith("cpu-")]
-    for d in folders:
-        extra = [] if d in cpu else cpu
-        plots.draw([d] + extra, os.path.join(d, "plots"), cpu_plots=d in cpu)
+def redraw(docs, only=None):
+    """The plots of every device folder (or of those in `only`), then the README's results
+    table and ARCHITECTURE.md's diff table. A GPU folder's ladder also shows the CPU stages,
+    from the reference CPU folder only, so another CPU's rows never enter committed plots."""
+    folders = attn.result_folders(docs)
+    cpu_ref = attn.reference_folder(docs, "cpu")
+    chosen = None if only is None else {os.path.abspath(f) for f in only}
+    for d in folders["cpu"]:
+        if chosen is None or os.path.abspath(d) in chosen:
+            plots.draw([d], os.path.join(d, "plots"), cpu_plots=True)
+    for d in folders["gpu"]:
+        if chosen is None or os.path.abspath(d) in chosen or (
+                cpu_ref and os.path.abspath(cpu_ref) in chosen):
+            plots.draw([d] + ([cpu_ref] if cpu_ref else []), os.path.join(d, "plots"),
+                       cpu_plots=False)
     update_docs.update(ROOT)
 
 

@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """gnuplot plots (PNG) from result rows, each stamped with the device, CUDA version and date.
 
-Where gnuplot is missing the data and scripts are still written, and one line says how to
-install it."""
+Every drawing first writes its gnuplot data (<plot>_data/*.dat, not committed) and script
+(<plot>.gp) from the TSV rows, then runs gnuplot, so the plots redraw from the rows alone.
+Rows of more than one device (say two CPU folders) are drawn as separate series, each
+named with its device. Where gnuplot is missing the data and scripts are still written,
+and one line says how to install it."""
 import argparse
 import glob
 import os
@@ -28,11 +31,24 @@ def stamp(rows):
     return "; ".join(f"{d}, CUDA {c}, {t}" if c != "-" else f"{d}, {t}" for d, c, t in devs)
 
 
+def fresh_data_dir(path):
+    """<plot>_data/ beside the plot, emptied of the .dat files of an earlier drawing."""
+    data_dir = os.path.splitext(path)[0] + "_data"
+    os.makedirs(data_dir, exist_ok=True)
+    for old in glob.glob(os.path.join(data_dir, "*.dat")):
+        os.remove(old)
+    return data_dir
+
+
+def with_device(name, r, devices):
+    """A series or bar name, followed by its device when the rows come from several."""
+    return f"{name} ({r['device']})" if len(devices) > 1 else name
+
+
 def gnuplot_file(path, title, xlabel, ylabel, series, stamp_text, logx=True, logy=True,
                  lines=()):
     """series: [(title, [(x, y), ...])]; lines: [(title, y)] horizontal reference lines."""
-    data_dir = os.path.splitext(path)[0] + "_data"
-    os.makedirs(data_dir, exist_ok=True)
+    data_dir = fresh_data_dir(path)
     plots = []
     for k, (name, pts) in enumerate(series):
         if not pts:
@@ -64,10 +80,12 @@ def gnuplot_file(path, title, xlabel, ylabel, series, stamp_text, logx=True, log
 
 
 def by_stage(rows, **where):
+    """The rows that match `where`, grouped into one series per stage (and device)."""
+    devices = {r["device"] for r in rows}
     out = {}
     for r in rows:
         if all(str(r.get(k)) == str(v) for k, v in where.items()):
-            out.setdefault(r["stage"], []).append(r)
+            out.setdefault(with_device(r["stage"], r, devices), []).append(r)
     return out
 
 
@@ -83,6 +101,9 @@ def ladder(rows, out_dir, prefix, only):
     """Forward TFLOP/s of every stage at N = 4096, d = 64 (log scale), PyTorch's SDPA
     backends as reference lines. CPU stages: one head; GPU stages: H = 32, B = 4."""
     bars, lines = [], []
+    # The devices of each kind (True: CPU) among the rows this plot can show.
+    devices = {True: {r["device"] for r in rows if r["cuda"] == "-"},
+               False: {r["device"] for r in rows if r["cuda"] != "-"}}
     for r in rows:
         if r["direction"] != "fwd" or r["Nq"] != LADDER_N or r["d"] != LADDER_D or \
                 r["causal"] != "0" or r["Nkv"] != LADDER_N:
@@ -91,6 +112,7 @@ def ladder(rows, out_dir, prefix, only):
             continue
         sdpa = r["stage"].startswith("sdpa_")
         name = r["stage"] + ("" if r["dtype"] == "fp32" and not sdpa else f" {r['dtype']}")
+        name = with_device(name, r, devices[r["cuda"] == "-"])
         if sdpa:
             if r["stage"] != "sdpa_math":
                 lines.append((f"PyTorch {name}", float(r["tflops"])))
@@ -102,8 +124,7 @@ def ladder(rows, out_dir, prefix, only):
     if not bars:
         return None
     path = os.path.join(out_dir, f"{prefix}ladder.png")
-    data_dir = os.path.splitext(path)[0] + "_data"
-    os.makedirs(data_dir, exist_ok=True)
+    data_dir = fresh_data_dir(path)
     with open(os.path.join(data_dir, "bars.dat"), "w") as f:
         for k, (name, tf, _) in enumerate(bars):
             f.write(f"{k}\t{tf}\t\"{name}\"\n")
@@ -167,7 +188,7 @@ def draw(result_dirs, out_dir, stage=None, cpu_plots=True):
                        and r["causal"] == causal and int(r["B"]) * int(r["Nq"]) == 16384]
                 if not sel:
                     continue
-                groups = {}
+                groups, devices = {}, {r["device"] for r in sel}
                 for r in sel:
                     sdpa = r["stage"].startswith("sdpa_")
                     key = r["stage"] + ("" if r["dtype"] == "fp32" and not sdpa
@@ -175,7 +196,7 @@ def draw(result_dirs, out_dir, stage=None, cpu_plots=True):
                     if sdpa and (
                             r["stage"] == "sdpa_math" or r["dtype"] == "bf16"):
                         continue  # fewer lines: math is the slow path, bf16 ~ fp16
-                    groups.setdefault(key, []).append(r)
+                    groups.setdefault(with_device(key, r, devices), []).append(r)
                 name = f"{prefix}gpu_{direction}_d{d}{'_causal' if causal == '1' else ''}.png"
                 scripts.append(gnuplot_file(
                     os.path.join(out_dir, name),

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The benchmark sweep of CONVENTIONS.md section 5, one stage program run per point.
+"""The benchmark sweep of docs/conventions.md section 5, one stage program run per point.
 
 GPU stages: hidden size 2048 (H = 2048/d), 16384 tokens (B = 16384/N), N = 512..16384,
 d in {64, 128}, causal and not where the stage has a mask, backward where it has one.

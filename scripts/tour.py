@@ -5,10 +5,13 @@ import argparse
 import os
 import subprocess
 import sys
+import textwrap
 
 import attn
 import plots
 import sweep
+
+IDEA_WIDTH = 58  # characters of the idea column; longer ideas wrap onto the next lines
 
 
 def main():
@@ -28,7 +31,11 @@ def main():
     for s in stages:
         r = subprocess.run([s.path, "--tsv", tsv], capture_output=True, text=True)
         if r.returncode == 77:
-            print(f"  {s.name:<18} skipped: {r.stderr.strip()}")
+            # The program's one line, without its "name: " and "skipped: " prefixes.
+            why = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "no CUDA device"
+            for prefix in (f"{s.name}: ", "skipped: "):
+                why = why[len(prefix):] if why.startswith(prefix) else why
+            print(f"  {s.name:<18} skipped: {why}")
         elif r.returncode != 0:
             failed.append(s.name)
             print(f"  {s.name:<18} FAILED (exit {r.returncode}): {r.stderr.strip()}")
@@ -37,14 +44,20 @@ def main():
     rows = attn.read_rows(tsv)
     if rows:
         ideas = {s.name: s.idea for s in stages}
-        print(f"\n{'stage':<18} {'idea':<58} {'max err':>8} {'time':>10} {'speed':>14} "
-              f"{'workspace':>10}")
+        print(f"\n{'stage':<18} {'idea':<{IDEA_WIDTH}} {'max err':>8} {'time':>10} "
+              f"{'speed':>14} {'workspace':>10}")
         for r in rows:
             tf = float(r["tflops"])
             speed = f"{tf:.2f} TFLOP/s" if tf >= 1 else f"{tf * 1e3:.2f} GFLOP/s"
-            print(f"{r['stage']:<18} {ideas.get(r['stage'], '')[:58]:<58} "
+            # The idea wrapped at word boundaries: the numbers on its first line, the rest
+            # of the phrase on the lines below, in the idea column.
+            idea = textwrap.wrap(ideas.get(r["stage"], ""), IDEA_WIDTH, break_long_words=False,
+                                 break_on_hyphens=False) or [""]
+            print(f"{r['stage']:<18} {idea[0]:<{IDEA_WIDTH}} "
                   f"{float(r['max_err']):8.1e} {float(r['ms']):8.2f}ms {speed:>14} "
                   f"{plots.human_bytes(int(r['workspace_bytes'])):>10}")
+            for more in idea[1:]:
+                print(f"{'':<18} {more}")
         print(f"\non {rows[0]['device']}, {rows[0]['date']}")
     cpu = [s for s in stages if s.kind == "cpu"]
     print("\nThe CPU sweep (one head, d = 64, N = 256..8192): time and workspace against N.")

@@ -41,24 +41,27 @@ def pick(rows, **where):
 
 def results_table(root):
     docs = os.path.join(root, "docs", "results")
-    folders = sorted(glob.glob(os.path.join(docs, "*/")))
-    cpu_dirs = [f for f in folders if os.path.basename(f.rstrip("/")).startswith("cpu-")]
-    gpu_dirs = [f for f in folders if f not in cpu_dirs and os.path.exists(f + "gpu.tsv")]
-    # The GPU folder with the most rows (a full sweep), the H100's first among equals.
-    gpu_dirs.sort(key=lambda f: (-len(attn.read_rows(f + "gpu.tsv")), "h100" not in f))
-    cpu = attn.read_rows(*(os.path.join(f, "cpu.tsv") for f in cpu_dirs[:1]))
-    gpu = attn.read_rows(*(os.path.join(f, "gpu.tsv") for f in gpu_dirs[:1]))
+    # The reference folders (attn.REFERENCE_FOLDERS): a run on another CPU or GPU writes its
+    # own folder, which this table names below but does not mix in.
+    gpu_dir, cpu_dir = attn.reference_folder(docs, "gpu"), attn.reference_folder(docs, "cpu")
+    cpu = attn.read_rows(os.path.join(cpu_dir, "cpu.tsv")) if cpu_dir else []
+    gpu = attn.read_rows(os.path.join(gpu_dir, "gpu.tsv")) if gpu_dir else []
     lines = []
     if gpu:
-        g = gpu[0]
+        g, rel = gpu[0], os.path.relpath(gpu_dir, root)
         lines.append(f"GPU rows: {g['device']} ({g['units']} SMs), CUDA {g['cuda']}, {g['date']}, "
-                     f"from [`{os.path.relpath(gpu_dirs[0], root).rstrip('/')}/gpu.tsv`]"
-                     f"({os.path.relpath(gpu_dirs[0], root).rstrip('/')}/gpu.tsv).")
+                     f"from [`{rel}/gpu.tsv`]({rel}/gpu.tsv).")
     if cpu:
-        c = cpu[0]
+        c, rel = cpu[0], os.path.relpath(cpu_dir, root)
         lines.append(f"CPU rows: {c['device']}, one core, {c['date']}, from "
-                     f"[`{os.path.relpath(cpu_dirs[0], root).rstrip('/')}/cpu.tsv`]"
-                     f"({os.path.relpath(cpu_dirs[0], root).rstrip('/')}/cpu.tsv).")
+                     f"[`{rel}/cpu.tsv`]({rel}/cpu.tsv).")
+    folders = attn.result_folders(docs)
+    others = [f for f in folders["gpu"] + folders["cpu"] if f not in (gpu_dir, cpu_dir)]
+    if others:
+        links = ", ".join(f"[`{os.path.relpath(f, root)}/`]({os.path.relpath(f, root)}/)"
+                          for f in others)
+        lines.append(f"Other devices, each with its own rows and plots, not in this table: "
+                     f"{links}.")
     lines += ["", f"Forward and backward TFLOP/s at N = {N}, non-causal (GPU: H = 2048/d, "
               f"B = 16384/N; CPU: one head, d = 64); % of PyTorch's SDPA flash backend (fp16, "
               f"same GPU, same run as its rows); memory: CPU workspace at N = 8192, GPU device "
