@@ -54,6 +54,9 @@ static_assert(Br <= 2 * Bc, "the forward stages its Q tile in the two K buffers"
 #define ATTN_SKEW 8
 #endif
 constexpr int Skew = ATTN_SKEW;
+static_assert(Skew % 8 == 0,
+              "padded rows must stay 16-byte aligned: cp.async copies 16 bytes at a time and "
+              "WMMA's leading dimension is a multiple of 8 16-bit elements (4 floats)");
 /* Leading dimensions: Q, K, V, dO tiles (dtype), the backward's P and dS tiles (dtype), the
  * fp32 staging of an output tile (the same 16 bytes of padding). */
 template <int D>
@@ -446,19 +449,28 @@ static void forward(const attn_problem *p, const attn_buffers *t) {
 
 /* ---- the backward ------------------------------------------------------------------ */
 
-/* Warps per dK/dV block, each owning 16 keys: 8, so that the block's Q and dO tiles serve
- * 128 keys (measured at N = 4096, d = 128: 74.5 TFLOP/s with 4 warps, 100.5 with 8; at
- * d = 64 no difference). */
-constexpr int Warps_bwd = 8;
-constexpr int Threads_bwd = Warps_bwd * 32;
-/* Keys per dK/dV block: one fragment height per warp, as Br in the forward. */
-constexpr int Bc_bwd = Warps_bwd * Frag;
-/* Query rows per tile of the dK/dV kernel: 4 fragments, like Bc in the forward. */
-constexpr int Br_bwd = 64;
-/* Warps per dQ block, each owning 16 query rows (8 warps measured 10% slower at d = 64). */
-constexpr int Warps_dq = 4;
-constexpr int Threads_dq = Warps_dq * 32;
-constexpr int Br_dq = Warps_dq * Frag;
+/* The backward's tiles. A dK/dV block has WARPS_DKDV warps, each owning 16 keys, and walks
+ * query tiles of ROWS_DKDV rows; a dQ block has WARPS_DQ warps, each owning 16 query rows,
+ * and walks the forward's tiles of Bc keys. */
+template <int WARPS_DKDV, int ROWS_DKDV, int WARPS_DQ>
+struct BackwardTiles {
+  static constexpr int Warps_bwd = WARPS_DKDV, Threads_bwd = Warps_bwd * 32;
+  /* Keys per dK/dV block: one fragment height per warp, as Br in the forward. */
+  static constexpr int Bc_bwd = Warps_bwd * Frag, Br_bwd = ROWS_DKDV;
+  static constexpr int Warps_dq = WARPS_DQ, Threads_dq = Warps_dq * 32, Br_dq = Warps_dq * Frag;
+  static_assert(Br_bwd % Frag == 0, "the dK/dV kernel's query tiles are whole fragments");
+  static_assert(Br_bwd <= ld_p && Bc <= ld_p,
+                "a P^T or dS^T row (Br_bwd columns) and a dS row (Bc columns) fit in ld_p");
+};
+/* Where the device allows it: 8 dK/dV warps, so that the block's Q and dO tiles serve 128
+ * keys (measured at N = 4096, d = 128: 74.5 TFLOP/s with 4 warps, 100.5 with 8; at d = 64 no
+ * difference), query tiles of 4 fragments like Bc in the forward, and 4 dQ warps (8 measured
+ * 10% slower at d = 64). The dK/dV block needs 109 KiB at d = 64 and 173 KiB at d = 128, the
+ * dQ block 112 KiB at d = 128 (fp16 and bf16 alike). */
+using LargeTiles = BackwardTiles<8, 64, 4>;
+/* Where a block gets less (99 KiB on sm_86 and sm_89, 163 KiB on sm_80): half the warps and
+ * half the query rows per tile: at most 90 KiB at d = 128. */
+using SmallTiles = BackwardTiles<4, 32, 2>;
 
 static size_t backward_workspace(const attn_problem *p) {
   return sizeof(float) * attn_lse_elems(p);
@@ -466,20 +478,20 @@ static size_t backward_workspace(const attn_problem *p) {
 
 /* Shared memory of the dK/dV kernel: its K and V tiles, double-buffered Q and dO tiles,
  * the per-warp P^T and dS^T tiles, double-buffered LSE and D of the tile's rows. */
-template <typename T, int D>
+template <typename T, int D, typename Tiles>
 static size_t dkdv_bytes() {
-  return sizeof(T) * (2 * (size_t)Bc_bwd * ld_tile<D>() + 4 * (size_t)Br_bwd * ld_tile<D>() +
-                      2 * (size_t)Bc_bwd * ld_p) +
-         sizeof(float) * 4 * Br_bwd;
+  return sizeof(T) * (2 * (size_t)Tiles::Bc_bwd * ld_tile<D>() +
+                      4 * (size_t)Tiles::Br_bwd * ld_tile<D>() + 2 * (size_t)Tiles::Bc_bwd * ld_p) +
+         sizeof(float) * 4 * Tiles::Br_bwd;
 }
 
 /* Shared memory of the dQ kernel: its Q and dO tiles, double-buffered K and V tiles, the
  * per-warp dS tile, LSE and D of its rows. */
-template <typename T, int D>
+template <typename T, int D, typename Tiles>
 static size_t dq_bytes() {
-  return sizeof(T) * (2 * (size_t)Br_dq * ld_tile<D>() + 4 * (size_t)Bc * ld_tile<D>() +
-                      (size_t)Br_dq * ld_p) +
-         sizeof(float) * 2 * Br_dq;
+  return sizeof(T) * (2 * (size_t)Tiles::Br_dq * ld_tile<D>() + 4 * (size_t)Bc * ld_tile<D>() +
+                      (size_t)Tiles::Br_dq * ld_p) +
+         sizeof(float) * 2 * Tiles::Br_dq;
 }
 
 /* D_i = sum_c dO_ic O_ic in fp32, one thread per row. (It equals sum_j dP_ij P_ij: the
@@ -509,13 +521,14 @@ __device__ void load_row_stats(const float *lse, const float *delta, int rows, i
  * S^T = K Q^T and dP^T = V dO^T (keys as rows), turns them element by element into
  * P^T = exp(S^T - LSE) and dS^T = P^T (dP^T - D) in shared memory (fragment_row and fragment_col
  * give each element's row and column), then adds dV += P^T dO and dK += dS^T Q. */
-template <typename T, int D>
-__global__ void __launch_bounds__(Threads_bwd)
+template <typename T, int D, typename Tiles>
+__global__ void __launch_bounds__(Tiles::Threads_bwd)
     flash_backward_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ k,
                                const T *__restrict__ v, const T *__restrict__ d_o,
                                const float *__restrict__ lse, const float *__restrict__ delta,
                                T *__restrict__ dk, T *__restrict__ dv, int nq, int nkv, int heads,
                                float scale, int causal) {
+  constexpr int Warps_bwd = Tiles::Warps_bwd, Bc_bwd = Tiles::Bc_bwd, Br_bwd = Tiles::Br_bwd;
   extern __shared__ __align__(128) float4 smem_bwd[];
   T *Ks = reinterpret_cast<T *>(smem_bwd), *Vs = Ks + Bc_bwd * ld_tile<D>();
   T *Qs = Vs + Bc_bwd * ld_tile<D>(), *dOs = Qs + 2 * Br_bwd * ld_tile<D>();
@@ -625,13 +638,14 @@ __global__ void __launch_bounds__(Threads_bwd)
 /* Each warp owns 16 query rows i and keeps dQ in accumulator fragments while it walks the
  * key tiles like the forward: S = Q K^T and dP = dO V^T, dS = P (dP - D) element by
  * element into shared memory, then dQ += dS K. */
-template <typename T, int D>
-__global__ void __launch_bounds__(Threads_dq)
+template <typename T, int D, typename Tiles>
+__global__ void __launch_bounds__(Tiles::Threads_dq)
     flash_backward_dq_kernel(const T *__restrict__ q, const T *__restrict__ k,
                              const T *__restrict__ v, const T *__restrict__ d_o,
                              const float *__restrict__ lse, const float *__restrict__ delta,
                              T *__restrict__ dq, int nq, int nkv, int heads, float scale,
                              int causal) {
+  constexpr int Warps_dq = Tiles::Warps_dq, Br_dq = Tiles::Br_dq;
   extern __shared__ __align__(128) float4 smem[];
   T *Qs = reinterpret_cast<T *>(smem), *dOs = Qs + Br_dq * ld_tile<D>();
   T *Ks = dOs + Br_dq * ld_tile<D>(), *Vs = Ks + 2 * Bc * ld_tile<D>();
@@ -724,6 +738,30 @@ __global__ void __launch_bounds__(Threads_dq)
   store_tile<T, D>(dq_frag, stage, scale, dq + (bh * nq + iw) * D, nq - iw);
 }
 
+template <typename T, int D, typename Tiles>
+static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const float *delta) {
+  int heads = p->batch * p->heads;
+  attn_require_shared_memory((const void *)flash_backward_dkdv_kernel<T, D, Tiles>,
+                             dkdv_bytes<T, D, Tiles>(), "flash_backward_dkdv_kernel");
+  unsigned key_blocks = (unsigned)((p->seq_kv + Tiles::Bc_bwd - 1) / Tiles::Bc_bwd * heads);
+  flash_backward_dkdv_kernel<T, D, Tiles><<<key_blocks, Tiles::Threads_bwd, dkdv_bytes<T, D, Tiles>()>>>(
+      (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
+      (T *)t->dk, (T *)t->dv, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
+  CHECK_LAUNCH("flash_backward_dkdv_kernel");
+}
+
+template <typename T, int D, typename Tiles>
+static void launch_dq(const attn_problem *p, const attn_buffers *t, const float *delta) {
+  int heads = p->batch * p->heads;
+  attn_require_shared_memory((const void *)flash_backward_dq_kernel<T, D, Tiles>,
+                             dq_bytes<T, D, Tiles>(), "flash_backward_dq_kernel");
+  unsigned row_blocks = (unsigned)((p->seq_q + Tiles::Br_dq - 1) / Tiles::Br_dq * heads);
+  flash_backward_dq_kernel<T, D, Tiles><<<row_blocks, Tiles::Threads_dq, dq_bytes<T, D, Tiles>()>>>(
+      (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
+      (T *)t->dq, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
+  CHECK_LAUNCH("flash_backward_dq_kernel");
+}
+
 template <typename T, int D>
 static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   int heads = p->batch * p->heads;
@@ -734,20 +772,16 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
       <<<(unsigned)((rows + delta_threads - 1) / delta_threads), delta_threads>>>(
           (const T *)t->o, (const T *)t->d_o, delta, rows, D);
   CHECK_LAUNCH("compute_delta_kernel");
-  attn_require_shared_memory((const void *)flash_backward_dkdv_kernel<T, D>, dkdv_bytes<T, D>(),
-                             "flash_backward_dkdv_kernel");
-  unsigned key_blocks = (unsigned)((p->seq_kv + Bc_bwd - 1) / Bc_bwd * heads);
-  flash_backward_dkdv_kernel<T, D><<<key_blocks, Threads_bwd, dkdv_bytes<T, D>()>>>(
-      (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
-      (T *)t->dk, (T *)t->dv, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
-  CHECK_LAUNCH("flash_backward_dkdv_kernel");
-  attn_require_shared_memory((const void *)flash_backward_dq_kernel<T, D>, dq_bytes<T, D>(),
-                             "flash_backward_dq_kernel");
-  unsigned row_blocks = (unsigned)((p->seq_q + Br_dq - 1) / Br_dq * heads);
-  flash_backward_dq_kernel<T, D><<<row_blocks, Threads_dq, dq_bytes<T, D>()>>>(
-      (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
-      (T *)t->dq, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
-  CHECK_LAUNCH("flash_backward_dq_kernel");
+  /* The large tiles where the device's shared memory holds them, else the small ones. */
+  size_t limit = attn_shared_memory_limit();
+  if (dkdv_bytes<T, D, LargeTiles>() <= limit)
+    launch_dkdv<T, D, LargeTiles>(p, t, delta);
+  else
+    launch_dkdv<T, D, SmallTiles>(p, t, delta);
+  if (dq_bytes<T, D, LargeTiles>() <= limit)
+    launch_dq<T, D, LargeTiles>(p, t, delta);
+  else
+    launch_dq<T, D, SmallTiles>(p, t, delta);
 }
 
 template <typename T>
@@ -768,17 +802,16 @@ static void backward(const attn_problem *p, const attn_buffers *t) {
 }
 
 static const attn_stage stage = {
-    "07_tensor_cores",
-    "the matrix products on tensor cores (WMMA, fp16/bf16 in, fp32 accumulation)",
-    &attn_cuda_device,
-    {32, 64, 128},
-    DTYPE_BIT(DTYPE_FP16) | DTYPE_BIT(DTYPE_BF16),
-    1, /* has_causal */
-    1, /* saves_lse */
-    NULL,
-    forward,
-    backward_workspace,
-    backward,
+    .name = "07_tensor_cores",
+    .idea = "the matrix products on tensor cores (WMMA, fp16/bf16 in, fp32 accumulation)",
+    .device = &attn_cuda_device,
+    .head_dims = {32, 64, 128},
+    .dtypes = DTYPE_BIT(DTYPE_FP16) | DTYPE_BIT(DTYPE_BF16),
+    .has_causal = 1,
+    .saves_lse = 1,
+    .forward = forward,
+    .backward_workspace = backward_workspace,
+    .backward = backward,
 };
 
 int main(int argc, char **argv) { return attention_main(&stage, argc, argv); }
