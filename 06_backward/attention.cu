@@ -188,7 +188,8 @@ constexpr int Bc_bwd = 128;
 constexpr int Bc_bwd_small = 64;
 /* Query rows per tile of the dK/dV kernel: Q and dO tiles of 16 rows are read as
  * broadcasts by every thread; 16 keeps the block's shared memory (the transposed K and V
- * tiles plus these) at 144 KiB for d = 128, under the 227 KiB opt-in limit of sm_90 and the 163 KiB of sm_80. */
+ * tiles plus these) at 144 KiB for d = 128, under the 227 KiB opt-in limit of sm_90 and the 163 KiB
+ * of sm_80. */
 constexpr int Br_bwd = 16;
 
 static size_t backward_workspace(const attn_problem *p) {

@@ -744,9 +744,10 @@ static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const floa
   attn_require_shared_memory((const void *)flash_backward_dkdv_kernel<T, D, Tiles>,
                              dkdv_bytes<T, D, Tiles>(), "flash_backward_dkdv_kernel");
   unsigned key_blocks = (unsigned)((p->seq_kv + Tiles::Bc_bwd - 1) / Tiles::Bc_bwd * heads);
-  flash_backward_dkdv_kernel<T, D, Tiles><<<key_blocks, Tiles::Threads_bwd, dkdv_bytes<T, D, Tiles>()>>>(
-      (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
-      (T *)t->dk, (T *)t->dv, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
+  flash_backward_dkdv_kernel<T, D, Tiles>
+      <<<key_blocks, Tiles::Threads_bwd, dkdv_bytes<T, D, Tiles>()>>>(
+          (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
+          (T *)t->dk, (T *)t->dv, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_backward_dkdv_kernel");
 }
 

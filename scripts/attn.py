@@ -5,8 +5,14 @@ import re
 import subprocess
 
 STAGES = ["00_naive", "01_cpu_tiled", "02_online_softmax", "03_cuda_forward",
-          "04_shared_memory", "05_causal", "06_backward", "07_tensor_cores"]
+          "04_shared_memory", "05_causal", "06_backward", "07_tensor_cores",
+          "08_mma_sync"]
 BASELINES = ["cublas_baseline"]
+
+# The result folders the README's table and the GPU plots' CPU bars come from: the devices
+# the committed numbers were measured on. A benchmark run on any other device writes its own
+# folder (docs/results/<device>/) with its own plots, and leaves these alone.
+REFERENCE_FOLDERS = {"gpu": "nvidia-h100-80gb-hbm3", "cpu": "cpu-amd-epyc"}
 
 
 class Stage:
@@ -53,6 +59,30 @@ def forward_only(rows):
         return (nxt is not None and nxt["direction"] == "bwd"
                 and shape_key(nxt) == shape_key(rows[k]))
     return [r for k, r in enumerate(rows) if r["direction"] == "fwd" and not of_backward_run(k)]
+
+
+def result_folders(docs):
+    """Every folder of docs/results that holds rows: {"cpu": [...], "gpu": [...]}, each
+    sorted by name. A CPU folder is named cpu-<model>, a GPU folder <gpu name>."""
+    out = {"cpu": [], "gpu": []}
+    for name in sorted(os.listdir(docs)) if os.path.isdir(docs) else []:
+        kind = "cpu" if name.startswith("cpu-") else "gpu"
+        if os.path.exists(os.path.join(docs, name, f"{kind}.tsv")):
+            out[kind].append(os.path.join(docs, name))
+    return out
+
+
+def reference_folder(docs, kind):
+    """The folder of `kind` whose rows the README's table shows: REFERENCE_FOLDERS[kind] when
+    it has rows, else the folder with the most rows (then the first by name); None if none."""
+    folders = result_folders(docs)[kind]
+    for f in folders:
+        if os.path.basename(f) == REFERENCE_FOLDERS[kind]:
+            return f
+    if not folders:
+        return None
+    # sorted() is stable: among folders with as many rows, the first by name.
+    return sorted(folders, key=lambda f: -len(read_rows(os.path.join(f, f"{kind}.tsv"))))[0]
 
 
 def slug(text):

@@ -3,12 +3,12 @@
 CUDA GPU; without them it says so and exits 0, so the benchmark command still works).
 
 1. Timing: each SDPA backend forced in turn (flash, cudnn, efficient, math) on the sweep of
-   CONVENTIONS.md section 5, forward and backward, fp16 (and fp32 for the backends that
+   docs/conventions.md section 5, forward and backward, fp16 (and fp32 for the backends that
    have it, to compare with the fp32 stages). Same convention as the stages: CUDA events,
    5 warm-ups, median of 20 repeats, L2 flushed before each. Rows go to <out>/gpu.tsv with
    stage "sdpa_<backend>", in the stages' TSV format, so the plots draw them beside.
-2. Checking: stage 07 runs a few shapes with --save; this script recomputes O, LSE, dQ, dK,
-   dV in float64 with PyTorch and compares stage 07's error with the error of PyTorch's
+2. Checking: stages 07 and 08 run a few shapes with --save; this script recomputes O, LSE, dQ,
+   dK, dV in float64 with PyTorch and compares each stage's error with the error of PyTorch's
    own fp16/bf16 attention on the same inputs (FlashAttention's rule: O within 2x, dK and
    dV within 3x, dQ within 4x, plus the rounding floor). Exit 1 if any check fails.
 """
@@ -142,11 +142,22 @@ def reference(torch, q, k, v, do, scale, causal, dtype):
     return [x.double() for x in (o, lse, dq, dk, dv)]
 
 
-def check_stage07(torch, bin_dir):
+HALF_STAGES = ["07_tensor_cores", "08_mma_sync"]
+
+
+def check_half_stages(torch, bin_dir):
+    ok = True
+    for stage in HALF_STAGES:
+        ok &= check_stage(torch, bin_dir, stage)
+    return ok
+
+
+def check_stage(torch, bin_dir, stage):
     import numpy as np
-    path = os.path.join(bin_dir, "07_tensor_cores")
+    path = os.path.join(bin_dir, stage)
+    tag = stage[:2]
     if not os.access(path, os.X_OK):
-        print("compare_pytorch: 07_tensor_cores not built: outputs not checked")
+        print(f"compare_pytorch: {stage} not built: outputs not checked")
         return True
     shapes = [["-b", "1", "-H", "2", "-n", "1000", "-d", "64"],
               ["-b", "2", "-H", "3", "--seq-q", "777", "--seq-kv", "1025", "-d", "128",
@@ -159,7 +170,7 @@ def check_stage07(torch, bin_dir):
                 r = subprocess.run([path, "--backward", "--save", tmp, "--dtype", dtype] + args,
                                    capture_output=True, text=True)
                 if r.returncode != 0:
-                    print(f"07 {dtype} {' '.join(args)}: exit {r.returncode}: {r.stderr}")
+                    print(f"{tag} {dtype} {' '.join(args)}: exit {r.returncode}: {r.stderr}")
                     ok = False
                     continue
                 t = {n: torch.from_numpy(np.load(os.path.join(tmp, n + ".npy"))).cuda()
@@ -183,7 +194,7 @@ def check_stage07(torch, bin_dir):
                 good = err <= m * base + floor and bool((torch.isfinite(g) == fin).all())
                 ok &= good
                 line.append(f"{name} {err:.2e} (torch {dtype} {base:.2e}){'' if good else ' FAIL'}")
-            print(f"07 {dtype} {' '.join(args)}: " + ", ".join(line))
+            print(f"{tag} {dtype} {' '.join(args)}: " + ", ".join(line))
     return ok
 
 
@@ -193,18 +204,20 @@ def main():
     ap.add_argument("--bin", required=True, help="folder of the stage programs")
     ap.add_argument("--out", required=True, help="folder for gpu.tsv")
     ap.add_argument("--budget", type=float, default=0, help="seconds for the timing sweep")
-    ap.add_argument("--no-bench", action="store_true", help="only check stage 07's outputs")
+    ap.add_argument("--no-bench", action="store_true",
+                    help="only check the half-precision stages' outputs")
     ap.add_argument("--no-check", action="store_true", help="only time PyTorch")
     ap.add_argument("--backends", nargs="*", default=["flash", "cudnn", "efficient", "math"])
     ap.add_argument("--seq", nargs="*", type=int, default=GPU_N, help="sequence lengths")
     a = ap.parse_args()
     torch = need_torch()
     os.makedirs(a.out, exist_ok=True)
-    ok = a.no_check or check_stage07(torch, a.bin)
+    ok = a.no_check or check_half_stages(torch, a.bin)
     if not a.no_bench:
         bench(torch, a.out, a.budget, a.backends, a.seq)
-    print("compare_pytorch: stage 07 outputs " + ("match" if ok else "DO NOT match") +
-          " PyTorch within FlashAttention's rule")
+    print("compare_pytorch: " + ("skipped the output check" if a.no_check else
+                                 "stages 07 and 08 outputs " + ("match" if ok else "DO NOT match") +
+                                 " PyTorch within FlashAttention's rule"))
     sys.exit(0 if ok else 1)
 
 
