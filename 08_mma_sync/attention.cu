@@ -1,10 +1,11 @@
 /* Stage 08: the tensor-core instruction itself, mma.sync, with S, P and O in registers.
  *
- * The algorithm, the tiles and the kernels are stage 07's. What changes is how a warp talks
- * to the tensor cores. WMMA hides where a fragment's elements live, so 07 had to pass S, P
- * and the O tile through shared memory to reach them row by row. PTX's mma.sync.m16n8k16
- * and ldmatrix document their fragment layouts (the PTX ISA, "Matrix Fragments for
- * mma.m16n8k16"; drawn below), so here every lane knows which rows and columns it holds:
+ * The algorithm and the kernels are stage 07's. What changes is how a warp talks to the
+ * tensor cores. WMMA does not document where a fragment's elements live: 07 wrote the layout
+ * down and probed it on the device before relying on it, and its backward still passed P and
+ * dS through shared memory. PTX's mma.sync.m16n8k16 and ldmatrix document their fragment
+ * layouts (the PTX ISA, "Matrix Fragments for mma.m16n8k16"; drawn below), so here the code
+ * owns the layout and every lane knows which rows and columns it holds:
  *   - S = Q K^T stays in the accumulators; a row's max and sum are reduced over the 4 lanes
  *     (a quad) that hold the row, with two shuffles;
  *   - P is made in registers: an accumulator of S for 16 keys is, rounded to the dtype two

@@ -19,17 +19,19 @@ CPU_N = [256, 512, 1024, 2048, 4096, 8192]
 HIDDEN, TOKENS = 2048, 16384
 
 
-def points(stage):
+def points(stage, gpu_n=GPU_N, dtypes=None):
     if stage.kind == "cpu":
         for n in CPU_N:
             yield ["-b", "1", "-H", "1", "-n", str(n), "-d", "64"]
         return
     for dtype in stage.dtypes:
+        if dtypes and dtype not in dtypes:
+            continue
         for d in (64, 128):
             if stage.dims and d not in stage.dims:
                 continue
             for causal in ([False, True] if stage.causal else [False]):
-                for n in GPU_N:
+                for n in gpu_n:
                     args = ["-b", str(TOKENS // n), "-H", str(HIDDEN // d), "-n", str(n),
                             "-d", str(d), "--dtype", dtype]
                     if causal:
@@ -39,7 +41,7 @@ def points(stage):
                     yield args
     # Device memory against N at a fixed batch (with B = 16384/N the inputs are constant):
     # one forward per point, d = 64, H = 32, B = 1.
-    if "fp32" in stage.dtypes or stage.dtypes == ["fp16", "bf16"]:
+    if gpu_n == GPU_N and not dtypes and ("fp32" in stage.dtypes or stage.dtypes == ["fp16", "bf16"]):
         for n in GPU_N:
             yield ["-b", "1", "-H", str(HIDDEN // 64), "-n", str(n), "-d", "64",
                    "--dtype", stage.dtypes[0]]
@@ -62,11 +64,14 @@ def is_done(stage, args, rows):
     return any(attn.shape_key(r) == key for r in attn.forward_only(rows))
 
 
-def run(stages, out_dir, log=sys.stderr, budget=0, skip_done=None):
-    """skip_done: a TSV whose points are not run again (to finish a sweep a budget cut)."""
+def run(stages, out_dir, log=sys.stderr, budget=0, skip_done=None, gpu_n=GPU_N,
+        dtypes=None):
+    """skip_done: a TSV whose points are not run again (to finish a sweep a budget cut).
+    gpu_n, dtypes: a subset of the GPU sequence lengths and dtypes (a subset skips the
+    memory-against-N points)."""
     os.makedirs(out_dir, exist_ok=True)
     done = attn.read_rows(skip_done) if skip_done else []
-    todo = [(s, a) for s in stages for a in points(s) if not is_done(s.name, a, done)]
+    todo = [(s, a) for s in stages for a in points(s, gpu_n, dtypes) if not is_done(s.name, a, done)]
     t0, failures = time.time(), 0
     for k, (stage, args) in enumerate(todo):
         elapsed = time.time() - t0
@@ -100,10 +105,14 @@ def main():
     ap.add_argument("--budget", type=float, default=0,
                     help="seconds after which no new point starts (0: no limit)")
     ap.add_argument("--skip-done", help="a TSV of rows whose points are not run again")
+    ap.add_argument("--seq", nargs="*", type=int, default=GPU_N,
+                    help="GPU sequence lengths (default: the whole sweep)")
+    ap.add_argument("--dtypes", nargs="*", help="only these dtypes (default: each stage's)")
     a = ap.parse_args()
     stages = [s for s in attn.find_stages(a.bin)
               if (a.kind == "all" or s.kind == a.kind) and (not a.stages or s.name in a.stages)]
-    sys.exit(1 if run(stages, a.out, budget=a.budget, skip_done=a.skip_done) else 0)
+    sys.exit(1 if run(stages, a.out, budget=a.budget, skip_done=a.skip_done,
+                           gpu_n=a.seq, dtypes=a.dtypes) else 0)
 
 
 if __name__ == "__main__":
