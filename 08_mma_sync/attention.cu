@@ -107,7 +107,7 @@ __device__ const T *b_operand_trans(const T *tile, int ld) {
 /* Warps per block: 8 warps of 16 query rows each, Br = 128 rows, so that each K and V tile
  * copied into shared memory serves 128 rows. Measured on an H100 (fp16, N = 4096 and 16384,
  * TFLOP/s): 4 warps gave 199-226 at d = 64 and 206-220 at d = 128, 8 warps 235-249 and
- * 228-247. (At d = 128 a block holds 189 registers a thread, one block per SM.) */
+ * 228-247. (At d = 128 a block holds 174 registers a thread, one block per SM.) */
 constexpr int Warps = 8;
 constexpr int Threads = Warps * 32;
 /* Query rows per block: one instruction height per warp. */
@@ -451,7 +451,7 @@ struct BackwardTiles {
 };
 /* Where the device allows it: 8 dK/dV warps, so that the block's Q and dO tiles serve 128
  * keys, query tiles of 64 rows like Bc in the forward, and 4 dQ warps. The dK/dV block needs
- * 138 KiB at d = 128 (fp16 and bf16 alike); every other block fits 99 KiB. */
+ * 137 KiB at d = 128 (fp16 and bf16 alike); every other block fits 99 KiB. */
 using LargeTiles = BackwardTiles<8, 64, 4>;
 /* Where a block gets less (99 KiB on sm_86 and sm_89, 163 KiB on sm_80): half the warps and
  * half the query rows per tile: at most 69 KiB at d = 128. */
