@@ -38,7 +38,7 @@ static uint16_t float_to_fp16(float x) {
     if (rest > 0.5f || (rest == 0.5f && (whole & 1u))) whole++;
     return sign | (uint16_t)whole;
   }
-  /* Normal: re-bias the exponent (127 -> 15) and round 23 mantissa bits to 10. */
+  /* Normal: re-bias the exponent (127 -> 15) and round the 23 mantissa bits to 10. */
   uint32_t rebased = abs - ((127u - 15u) << 23);
   uint32_t rounded = rebased + 0xfffu + ((rebased >> 13) & 1u);
   return sign | (uint16_t)(rounded >> 13);
