@@ -4,6 +4,7 @@
 GPU stages: hidden size 2048 (H = 2048/d), 16384 tokens (B = 16384/N), N = 512..16384,
 d in {64, 128}, causal and not where the stage has a mask, backward where it has one.
 CPU stages: one head, N = 256..8192, d = 64. Rows are appended to <out>/<kind>.tsv.
+--seq and --dtypes run a subset of the GPU points (without the memory-against-N points).
 Progress (done/total, the current stage and shape, time left) goes to stderr.
 """
 import argparse
@@ -40,8 +41,9 @@ def points(stage, gpu_n=GPU_N, dtypes=None):
                         args.append("--backward")
                     yield args
     # Device memory against N at a fixed batch (with B = 16384/N the inputs are constant):
-    # one forward per point, d = 64, H = 32, B = 1.
-    if gpu_n == GPU_N and not dtypes and ("fp32" in stage.dtypes or stage.dtypes == ["fp16", "bf16"]):
+    # one forward per point, d = 64, H = 32, B = 1; only in the whole sweep.
+    whole = gpu_n == GPU_N and not dtypes
+    if whole and ("fp32" in stage.dtypes or stage.dtypes == ["fp16", "bf16"]):
         for n in GPU_N:
             yield ["-b", "1", "-H", str(HIDDEN // 64), "-n", str(n), "-d", "64",
                    "--dtype", stage.dtypes[0]]
@@ -71,7 +73,8 @@ def run(stages, out_dir, log=sys.stderr, budget=0, skip_done=None, gpu_n=GPU_N,
     memory-against-N points)."""
     os.makedirs(out_dir, exist_ok=True)
     done = attn.read_rows(skip_done) if skip_done else []
-    todo = [(s, a) for s in stages for a in points(s, gpu_n, dtypes) if not is_done(s.name, a, done)]
+    todo = [(s, a) for s in stages for a in points(s, gpu_n, dtypes)
+            if not is_done(s.name, a, done)]
     t0, failures = time.time(), 0
     for k, (stage, args) in enumerate(todo):
         elapsed = time.time() - t0
