@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Times a GPU stage built with extra compile definitions beside the stage as it is: the A/B
+# measurements behind a stage's tile choices and its technique tables.
+#
+#   scripts/variants.sh STAGE OUT_DIR [LABEL=FLAGS ...]
+#   scripts/variants.sh 08_mma_sync out bc32=-DATTN_BC=32 rows16=-DATTN_ROW_FRAGS=1
+#
+# Each variant (and `base`, no extra flags) is compiled with nvcc for this GPU against the
+# libraries of build-gpu (run the build phase of gpu_round.sh first) and timed with --bench at
+# FlashAttention's convention (B = 16384/N, H = 2048/d), non-causal and causal; its rows go to
+# OUT_DIR/LABEL.tsv, the stage column renamed STAGE:LABEL. VARIANT_SEQ (default "4096
+# 16384"), VARIANT_DIMS ("64 128"), VARIANT_DTYPE (fp16); BACKWARD=1 times the backward too.
+set -euo pipefail
+stage=${1:?usage: variants.sh STAGE OUT_DIR [LABEL=FLAGS ...]}
+out=${2:?usage: variants.sh STAGE OUT_DIR [LABEL=FLAGS ...]}
+shift 2
+lib=build-gpu/common
+[ -f "$lib/libattn_gpu.a" ] || { echo "variants.sh: no $lib/libattn_gpu.a; build first" >&2; exit 1; }
+mkdir -p "$out"
+bins=$(mktemp -d)
+arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+for variant in "base=" "$@"; do
+  label=${variant%%=*} flags=${variant#*=}
+  bin="$bins/$stage-$label"
+  # shellcheck disable=SC2086 # the flags are words
+  nvcc -O3 -std=c++20 -arch="sm_$arch" -Icommon $flags "$stage/attention.cu" "$lib/libattn_gpu.a" \
+    "$lib/libattn_common.a" -lm -o "$bin"
+  rows=$(mktemp)
+  for d in ${VARIANT_DIMS:-64 128}; do
+    for n in ${VARIANT_SEQ:-4096 16384}; do
+      for causal in "" --causal; do
+        "$bin" -b $((16384 / n)) -H $((2048 / d)) -n "$n" -d "$d" $causal \
+          --dtype "${VARIANT_DTYPE:-fp16}" --bench ${BACKWARD:+--backward} --tsv "$rows" |
+          sed "s/^/$label: /"
+      done
+    done
+  done
+  awk -v name="$stage:$label" 'BEGIN { FS = OFS = "\t" } NR > 1 { $1 = name } { print }' \
+    "$rows" > "$out/$label.tsv"
+  rm -f "$rows"
+done
+rm -rf "$bins"
