@@ -52,6 +52,9 @@ constexpr int Quad = 4; /* lanes that share a row */
  * every K and V operand a warp loads from shared memory then feeds two mma.sync instead of
  * one. At d <= 64, one, which leaves registers for two blocks of 8 warps per SM. */
 __host__ __device__ constexpr int row_frags(int d) { return d > 64 ? 2 : 1; }
+/* Where Q's A operands live: at d <= 64 in registers, loaded once (16 a lane); at d = 128
+ * they would take 64 registers beside S and O, so they are reloaded from shared memory. */
+__host__ __device__ constexpr bool q_in_registers(int d) { return d <= 64; }
 __host__ __device__ constexpr int threads_for(int rows, int warp_rows) {
   return rows / warp_rows * 32;
 }
@@ -203,8 +206,9 @@ __device__ float sum_over_quad(float x) {
  * first `cols` keys, and on a diagonal tile the lane's row h only `visible + 8 h` of them.
  * m_blk[h] is row h's max over the tile, reduced over the row's quad. */
 template <int D, int BC, typename T>
-__device__ void compute_qk_scores_and_max(const T *Q, const T *K, int cols, bool diagonal,
-                                          int visible, float (*s)[BC / MmaN][4], float *m_blk) {
+__device__ void compute_qk_scores_and_max(const T *Q, const unsigned (*q_frag)[4], const T *K,
+                                          int cols, bool diagonal, int visible,
+                                          float (*s)[BC / MmaN][4], float *m_blk) {
   constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
 #pragma unroll
   for (int f = 0; f < RowFrags; f++)
@@ -216,8 +220,13 @@ __device__ void compute_qk_scores_and_max(const T *Q, const T *K, int cols, bool
   for (int kk = 0; kk < D / MmaK; kk++) {
     unsigned a[RowFrags][4];
 #pragma unroll
-    for (int f = 0; f < RowFrags; f++)
-      ldmatrix_x4(a[f], a_operand(Q + f * MmaM * padded<T>(D) + kk * MmaK, padded<T>(D)));
+    for (int f = 0; f < RowFrags; f++) {
+      if (q_in_registers(D))
+#pragma unroll
+        for (int r = 0; r < 4; r++) a[f][r] = q_frag[kk][r];
+      else
+        ldmatrix_x4(a[f], a_operand(Q + f * MmaM * padded<T>(D) + kk * MmaK, padded<T>(D)));
+    }
 #pragma unroll
     for (int n2 = 0; n2 < BC / 16; n2++) { /* 16 keys: two accumulators per fragment */
       unsigned b[4];
@@ -370,6 +379,7 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D) * MmaM), 2)
   const T *K = k + bh * nkv * D, *V = v + bh * nkv * D;
   float acc[RowFrags][D / MmaN][4] = {}, s[RowFrags][BC / MmaN][4];
   float m[LaneRows], l[LaneRows], m_blk[LaneRows];
+  unsigned q_frag[q_in_registers(D) ? D / MmaK : 1][4];
 #pragma unroll
   for (int h = 0; h < LaneRows; h++) m[h] = -INFINITY, l[h] = 0.f;
   load_tile<D, Br>(q + (bh * nq + i0) * D, min(Br, nq - i0), Qs);
@@ -403,7 +413,12 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D) * MmaM), 2)
      * columns it sees, [j0, i + offset], which may be none. */
     bool diagonal = causal && j0 + cols - 1 > row0 + offset;
     const T *Kt = Ks + buf * BC * padded<T>(D), *Vt = Vs + buf * BC * padded<T>(D);
-    compute_qk_scores_and_max<D, BC>(Qs + (row0 - i0) * padded<T>(D), Kt, cols, diagonal,
+    if (q_in_registers(D) && j0 == 0) /* Q has landed: its operands, once */
+#pragma unroll
+      for (int kk = 0; kk < D / MmaK; kk++)
+        ldmatrix_x4(q_frag[kk],
+                    a_operand(Qs + (row0 - i0) * padded<T>(D) + kk * MmaK, padded<T>(D)));
+    compute_qk_scores_and_max<D, BC>(Qs + (row0 - i0) * padded<T>(D), q_frag, Kt, cols, diagonal,
                                      i + offset + 1 - j0, s, m_blk);
     merge_block_stats<D>(m_blk, scale_log2, m, l, acc);
     compute_block_softmax_and_weighted_v<D, BC>(s, Vt, scale_log2, m, l, acc);
