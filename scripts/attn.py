@@ -44,6 +44,19 @@ def read_rows(*paths):
     return rows
 
 
+def latest(rows):
+    """Where one point (stage, direction, shape, dtype, device) was measured on several
+    dates, only the latest date's row: what a plot draws."""
+    def point(r):
+        return (r["stage"], r["direction"], r["dtype"], r["B"], r["H"], r["Nq"], r["Nkv"],
+                r["d"], r["causal"], r["device"])
+    last = {}
+    for r in rows:
+        if point(r) not in last or r["date"] >= last[point(r)]:
+            last[point(r)] = r["date"]
+    return [r for r in rows if r["date"] == last[point(r)]]
+
+
 def shape_key(r):
     """(stage, dtype, B, H, N, d, causal) of a result row."""
     return (r["stage"], r["dtype"], r["B"], r["H"], r["Nq"], r["d"], r["causal"])

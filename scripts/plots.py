@@ -155,6 +155,7 @@ def draw(result_dirs, out_dir, stage=None, cpu_plots=True):
     rows = []
     for d in result_dirs:
         rows += attn.read_rows(os.path.join(d, "cpu.tsv"), os.path.join(d, "gpu.tsv"))
+    rows = attn.latest(rows)  # PyTorch's rows were measured again beside later stages
     only = {stage, predecessor(stage)} - {None} if stage else None
     prefix = f"{stage}_" if stage else ""
 

@@ -49,7 +49,8 @@ def results_table(root):
     lines = []
     if gpu:
         g, rel = gpu[0], os.path.relpath(gpu_dir, root)
-        lines.append(f"GPU rows: {g['device']} ({g['units']} SMs), CUDA {g['cuda']}, {g['date']}, "
+        dates = " and ".join(sorted({r["date"] for r in gpu}))
+        lines.append(f"GPU rows: {g['device']} ({g['units']} SMs), CUDA {g['cuda']}, {dates}, "
                      f"from [`{rel}/gpu.tsv`]({rel}/gpu.tsv).")
     if cpu:
         c, rel = cpu[0], os.path.relpath(cpu_dir, root)
@@ -70,8 +71,10 @@ def results_table(root):
               "| stage | idea | dtype | fwd d=64 | fwd d=128 | bwd d=64 | bwd d=128 "
               "| % of SDPA flash (fwd d=64 / d=128) | memory |",
               "|---|---|---|---|---|---|---|---|---|"]
-    flash = {d: pick(gpu, stage="sdpa_flash", dtype="fp16", direction="fwd", Nq=N, d=d,
-                     causal="0") for d in ("64", "128")}
+    # A stage's row is compared with SDPA flash measured the same day, in the same run.
+    flash = {(d, day): pick(gpu, stage="sdpa_flash", dtype="fp16", direction="fwd", Nq=N, d=d,
+                            causal="0", date=day)
+             for d in ("64", "128") for day in {r["date"] for r in gpu}}
 
     def tf(r):
         if not r:
@@ -94,7 +97,8 @@ def results_table(root):
                     cells[direction, d] = pick(rows, **where)
             pct = []
             for d in ("64", "128"):
-                r, f = cells["fwd", d], flash[d]
+                r = cells["fwd", d]
+                f = flash.get((d, r["date"])) if r else None
                 pct.append(f"{100 * float(r['tflops']) / float(f['tflops']):.1f}%"
                            if r and f and kind_rows is gpu else "-")
             if kind_rows is cpu:
@@ -109,13 +113,16 @@ def results_table(root):
                          f" | {dtype} | {tf(cells['fwd', '64'])} | {tf(cells['fwd', '128'])} "
                          f"| {tf(cells['bwd', '64'])} | {tf(cells['bwd', '128'])} "
                          f"| {' / '.join(pct)} | {memory} |")
-    for name in ("flash", "cudnn", "efficient"):
-        rows = [r for r in gpu if r["stage"] == f"sdpa_{name}" and r["dtype"] == "fp16"]
+    days = sorted({r["date"] for r in gpu if r["stage"].startswith("sdpa_")})
+    for name, day in ((name, day) for name in ("flash", "cudnn", "efficient") for day in days):
+        rows = [r for r in gpu if r["stage"] == f"sdpa_{name}" and r["dtype"] == "fp16"
+                and r["date"] == day]
         if not rows:
             continue
         c = {(di, d): pick(rows, direction=di, Nq=N, d=d, causal="0")
              for di in ("fwd", "bwd") for d in ("64", "128")}
-        lines.append(f"| PyTorch SDPA `{name}` | reference | fp16 | {tf(c['fwd', '64'])} "
+        when = f", {day}" if len(days) > 1 else ""
+        lines.append(f"| PyTorch SDPA `{name}`{when} | reference | fp16 | {tf(c['fwd', '64'])} "
                      f"| {tf(c['fwd', '128'])} | {tf(c['bwd', '64'])} | {tf(c['bwd', '128'])} "
                      f"| | |")
     return "\n".join(lines)

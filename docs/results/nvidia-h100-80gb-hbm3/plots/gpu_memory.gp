@@ -11,5 +11,4 @@ plot 'gpu_memory_data/s0.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#1b9e
      'gpu_memory_data/s1.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#d95f02' title '04_shared_memory' noenhanced, \
      'gpu_memory_data/s2.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#7570b3' title '05_causal' noenhanced, \
      'gpu_memory_data/s3.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#e7298a' title '06_backward' noenhanced, \
-     'gpu_memory_data/s4.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#66a61e' title '07_tensor_cores' noenhanced, \
-     'gpu_memory_data/s5.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#e6ab02' title 'cublas_baseline' noenhanced
+     'gpu_memory_data/s4.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#66a61e' title 'cublas_baseline' noenhanced
