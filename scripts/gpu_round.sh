@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # Everything a GPU machine is needed for, in one command: build (warnings as errors, ptxas's
 # report kept in build.log), run every GPU test, the compute-sanitizer tests, the benchmark
-# sweep and PyTorch's SDPA backends on the same GPU, and pack the logs and the result rows
-# into OUT_DIR.
+# sweep and PyTorch's SDPA backends on the same GPU, and leave the logs and the result rows
+# in OUT_DIR.
 #
 #   scripts/gpu_round.sh OUT_DIR                                   # every phase
 #   PHASES="tests" scripts/gpu_round.sh OUT_DIR                     # the GPU tests only
 #   PHASES="sanitizer" TESTS="-R 08_" scripts/gpu_round.sh OUT_DIR  # one stage's sanitizers
-#   PHASES="sweep pytorch" SWEEP="07_tensor_cores 08_mma_sync" scripts/gpu_round.sh OUT_DIR
+#   PHASES="pytorch sweep" SWEEP="07_tensor_cores 08_mma_sync" scripts/gpu_round.sh OUT_DIR
 #   PHASES="build" scripts/gpu_round.sh OUT_DIR  # then, elsewhere: PHASES="tests" ...
 #
-# PHASES: any of build, tests, sanitizer, sweep, pytorch (default: all five, in that order).
+# PHASES: any of build, tests, sanitizer, sweep, pytorch (default: all five, in that order);
+# build always runs first, the others in the order given.
 # Without build, build-gpu must already hold a build of this tree: one made by this script
 # with the same CUDA toolkit at the same path (CMake and CTest record absolute paths), for
 # instance on a machine without a GPU (configure it with -DATTN_COMPUTE_SANITIZER=PATH when
-# compute-sanitizer lives elsewhere there).
+# compute-sanitizer lives elsewhere there; the tests that run cmake -P use the cmake path of
+# that machine, so link it where it is missing).
 # TESTS: extra ctest arguments for both test phases; SANITIZER_JOBS: sanitizer tests run at
 # once (default 8; on an H100 with 16, the 100 sanitizer tests take about 6 minutes, most of
 # it 06's racecheck). SWEEP: the stages to sweep (default: every GPU stage); SWEEP_BUDGET:
@@ -22,9 +24,10 @@
 # the sweep's sequence lengths and dtypes.
 # PYTORCH_BACKENDS: SDPA backends to time (default: flash cudnn efficient math);
 # PYTORCH_SEQ: their sequence lengths (default: the sweep's).
-# OUT_DIR gets summary.txt, the ctest logs, build.log and results.tar.gz (the sweep's
-# gpu.tsv and PyTorch's rows); everything is written as soon as its phase ends, so a run
-# stopped at a time limit still returns what it finished.
+# OUT_DIR gets summary.txt, the ctest logs, build.log, sweep.log, pytorch.log and rows/gpu.tsv
+# (the sweep's rows and PyTorch's, each appended as it is measured), so a run stopped at a
+# time limit still returns everything it finished. The 08 tests, sanitizers, sweep and SDPA
+# rows on an H100 take about 7 minutes: `PHASES="tests sanitizer pytorch sweep"`.
 set -uo pipefail
 out=${1:?usage: gpu_round.sh OUT_DIR}
 mkdir -p "$out"
@@ -57,11 +60,11 @@ run_tests() {
     head -40 | tee -a "$out/summary.txt"
   log "$name skipped: $(grep -c '(Skipped)' "$out/ctest_$name.log")"
 }
-has tests && run_tests gpu "$(nproc)" -L gpu -LE sanitizer
-has sanitizer && run_tests sanitizer "${SANITIZER_JOBS:-8}" -L sanitizer
-
-results=$(mktemp -d)
-if has sweep; then
+# The rows go straight to OUT_DIR/rows/gpu.tsv, a row at a time, so that a run stopped
+# at a time limit keeps every row it measured.
+results=$out/rows
+mkdir -p "$results"
+sweep() {
   stages=()
   [ -n "${SWEEP:-}" ] && stages=(--stages ${SWEEP})
   [ -n "${SWEEP_SEQ:-}" ] && stages+=(--seq ${SWEEP_SEQ})
@@ -69,13 +72,24 @@ if has sweep; then
   python3 scripts/sweep.py --bin build-gpu/bin --kind gpu --out "$results" "${stages[@]}" \
     --budget "${SWEEP_BUDGET:-0}" 2> "$out/sweep.log"
   log "sweep: $(tail -1 "$out/sweep.log")"
-  tar -czf "$out/results.tar.gz" -C "$results" .
-fi
-if has pytorch; then
+}
+pytorch() {
   python3 scripts/compare_pytorch.py --bin build-gpu/bin --out "$results" \
     --backends ${PYTORCH_BACKENDS:-flash cudnn efficient math} ${PYTORCH_SEQ:+--seq $PYTORCH_SEQ} \
     > "$out/pytorch.log" 2>&1
   log "pytorch: $(tail -1 "$out/pytorch.log")"
-  tar -czf "$out/results.tar.gz" -C "$results" .
-fi
+}
+
+# The phases after the build, in the order PHASES gives them: with little time left, put
+# pytorch before sweep so that the SDPA rows exist even if the sweep is cut short.
+for phase in $phases; do
+  case $phase in
+    build) ;;
+    tests) run_tests gpu "$(nproc)" -L gpu -LE sanitizer ;;
+    sanitizer) run_tests sanitizer "${SANITIZER_JOBS:-8}" -L sanitizer ;;
+    sweep) sweep ;;
+    pytorch) pytorch ;;
+    *) log "unknown phase '$phase' (build, tests, sanitizer, sweep, pytorch)" ;;
+  esac
+done
 log "done"
