@@ -4,11 +4,12 @@
   python3 scripts/sass_counts.py build/bin/08_mma_sync
   python3 scripts/sass_counts.py build/bin/08_mma_sync --kernel 'forward.*Li64ELi64E6__half'
 
-A static count: each instruction of the kernel's code once, whether it runs once or in
-every tile. The tile loop is unrolled within a tile, so the count of the opcodes that only
-the loop uses (HMMA, LDSM, MUFU) says how many one tile takes, and the other opcodes beside
-them show the overhead a tile carries (integer address arithmetic IMAD/LEA/IADD3, compares
-ISETP, selects FSEL/SEL, moves MOV). Needs cuobjdump (CUDA toolkit) on PATH.
+A static count: each instruction once, whether it runs once or in every tile. Per kernel,
+the whole kernel, then its tile loop (the outermost loop that holds an HMMA): the products
+of one tile are its HMMA and LDSM, and what sits beside them is the overhead a tile carries
+(integer address arithmetic IMAD/LEA/IADD3/LOP3, compares ISETP, selects FSEL/SEL, moves
+MOV). Code a branch skips on most tiles (a mask, say) still counts once. Needs cuobjdump
+(CUDA toolkit) on PATH.
 """
 import argparse
 import collections
@@ -19,17 +20,38 @@ import sys
 
 
 def kernels(binary, arch):
+    """(name, [(address, opcode, branch target or None)]) of every kernel in the binary."""
     args = ["cuobjdump", "-sass"] + (["-arch", arch] if arch else []) + [binary]
     out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
     for block in re.split(r"\n\s+Function : ", out)[1:]:
         name, body = block.split("\n", 1)
-        ops = collections.Counter()
+        code = []
         for line in body.split("\n"):
             # /*0bd0*/  @!P1 HMMA.16816.F32 R72, ...: the opcode without its modifiers
-            m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+            m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(.*)",
+                         line)
             if m:
-                ops[m.group(1)] += 1
-        yield name.strip(), ops
+                target = re.match(r"[.A-Z0-9_]*\s+(0x[0-9a-f]+)", m.group(3))
+                code.append((int(m.group(1), 16), m.group(2),
+                             int(target.group(1), 16) if m.group(2) == "BRA" and target else None))
+        yield name.strip(), code
+
+
+def tile_loop(code):
+    """The instructions of the outermost loop (a backward branch) that holds an HMMA: the
+    tile loop, each instruction counted once, whether a branch inside it skips it or not."""
+    best = None
+    for addr, op, target in code:
+        if target is not None and target < addr:
+            body = [c for c in code if target <= c[0] <= addr]
+            if any(c[1] == "HMMA" for c in body) and (best is None or len(body) > len(best)):
+                best = body
+    return best
+
+
+def line(ops, top):
+    return f"{sum(ops.values())} instructions: " + " ".join(
+        f"{op} {n}" for op, n in ops.most_common(top))
 
 
 def main():
@@ -43,12 +65,14 @@ def main():
     if not shutil.which("cuobjdump"):
         sys.exit("sass_counts: cuobjdump not found (it comes with the CUDA toolkit)")
     found = 0
-    for name, ops in kernels(a.binary, a.arch):
+    for name, code in kernels(a.binary, a.arch):
         if not re.search(a.kernel, name):
             continue
         found += 1
-        print(f"{name}\n  {sum(ops.values())} instructions: " +
-              " ".join(f"{op} {n}" for op, n in ops.most_common(a.top)))
+        print(f"{name}\n  kernel: {line(collections.Counter(op for _, op, _ in code), a.top)}")
+        loop = tile_loop(code)
+        if loop:
+            print(f"  tile loop: {line(collections.Counter(op for _, op, _ in loop), a.top)}")
     if not found:
         sys.exit(f"sass_counts: no kernel matches '{a.kernel}' in {a.binary}")
 
