@@ -8,8 +8,9 @@ A static count: each instruction once, whether it runs once or in every tile. Pe
 the whole kernel, then its tile loop (the outermost loop that holds an HMMA): the products
 of one tile are its HMMA and LDSM, and what sits beside them is the overhead a tile carries
 (integer address arithmetic IMAD/LEA/IADD3/LOP3, compares ISETP, selects FSEL/SEL, moves
-MOV). Code a branch skips on most tiles (a mask, say) still counts once. Needs cuobjdump
-(CUDA toolkit) on PATH.
+MOV). Code a branch skips on most tiles (a mask, say) still counts once, and a loop inside
+the tile counts once if it stays a loop but once per copy if the compiler unrolls it: compare
+counts of builds whose loops have the same shape. Needs cuobjdump (CUDA toolkit) on PATH.
 """
 import argparse
 import collections
