@@ -240,7 +240,17 @@ __device__ void compute_qk_scores_and_max(const T *Q, const unsigned (*q_frag)[4
         mma_m16n8k16(s[f][2 * n2], a[f], b, T()), mma_m16n8k16(s[f][2 * n2 + 1], a[f], b + 2, T());
     }
   }
+  /* The mask is a compare and a select per element. At d <= 64 a branch skips them on the
+   * tiles that need no mask; at d = 128 they stay in the loop of the max, predicated on every
+   * tile, since the branch there would cost 60 bytes of spills. */
   int t = threadIdx.x % Quad;
+  if (RowFrags == 1 && (diagonal || cols < BC))
+#pragma unroll
+    for (int n = 0; n < BC / MmaN; n++)
+#pragma unroll
+      for (int e = 0; e < 4; e++)
+        if (n * MmaN + 2 * t + e % 2 >= (diagonal ? min(cols, visible + 8 * (e / 2)) : cols))
+          s[0][n][e] = -INFINITY;
 #pragma unroll
   for (int h = 0; h < LaneRows; h++) m_blk[h] = -INFINITY;
 #pragma unroll
@@ -250,7 +260,8 @@ __device__ void compute_qk_scores_and_max(const T *Q, const unsigned (*q_frag)[4
 #pragma unroll
       for (int e = 0; e < 4; e++) {
         int row_cols = diagonal ? min(cols, visible + 8 * (2 * f + e / 2)) : cols;
-        if ((diagonal || cols < BC) && n * MmaN + 2 * t + e % 2 >= row_cols) s[f][n][e] = -INFINITY;
+        if (RowFrags > 1 && (diagonal || cols < BC) && n * MmaN + 2 * t + e % 2 >= row_cols)
+          s[f][n][e] = -INFINITY;
         m_blk[2 * f + e / 2] = fmaxf(m_blk[2 * f + e / 2], s[f][n][e]);
       }
 #pragma unroll
@@ -486,6 +497,16 @@ static_assert(rows_bwd(Bc_bwd_small) % MmaK == 0 && Bc_dq % MmaK == 0, "whole k-
  * against the compiler's 134 registers and one block); at d = 128 dK and dV alone take 128
  * registers, so 1. */
 __host__ __device__ constexpr int dkdv_blocks_per_sm(int d) { return d <= 64 ? 2 : 1; }
+/* Blocks of the dQ kernel that must fit an SM at once. Its Q and dO operands stay in
+ * registers, where the compiler would take 132 registers at d = 64 and 178 at d = 128 (3 and
+ * 2 blocks); capped, 4 blocks at d <= 64 (128 registers, no spill) and 3 at d = 128 (168, an
+ * 8-byte spill). -DATTN_DQ_BLOCKS=N sets N at every d, for measuring the choice. */
+#ifndef ATTN_DQ_BLOCKS
+#define ATTN_DQ_BLOCKS 0
+#endif
+__host__ __device__ constexpr int dq_blocks_per_sm(int d) {
+  return ATTN_DQ_BLOCKS ? ATTN_DQ_BLOCKS : d <= 64 ? 4 : 3;
+}
 
 static size_t backward_workspace(const attn_problem *p) {
   return sizeof(float) * attn_lse_elems(p);
@@ -649,7 +670,7 @@ __global__ void __launch_bounds__(threads_for(BC, MmaM), dkdv_blocks_per_sm(D))
  * forward, 16 keys at a time: S = Q K^T and dP = dO V^T, dS = P (dP - D) made in registers,
  * then dQ += dS K with those 16 keys as the k-step. */
 template <int D, typename T>
-__global__ void __launch_bounds__(threads_for(Br_dq, MmaM))
+__global__ void __launch_bounds__(threads_for(Br_dq, MmaM), dq_blocks_per_sm(D))
     flash_backward_dq_kernel(const T *__restrict__ q, const T *__restrict__ k,
                              const T *__restrict__ v, const T *__restrict__ d_o,
                              const float *__restrict__ lse, const float *__restrict__ delta,
@@ -667,6 +688,9 @@ __global__ void __launch_bounds__(threads_for(Br_dq, MmaM))
   const T *Qw = Qs + (iw - i0) * ld, *dOw = dOs + (iw - i0) * ld; /* the warp's 16 rows */
   const T *K = k + bh * nkv * D, *V = v + bh * nkv * D;
   float dq_acc[1][D / MmaN][4] = {};
+  /* The warp's Q and dO rows as A operands, read once from shared memory: the same 16 rows
+   * meet every key tile, and reloading them would double the ldmatrix reads of S and dP. */
+  unsigned q_frag[D / MmaK][4], do_frag[D / MmaK][4];
   const float scale_log2 = scale * Log2e;
   load_kv_tile<D, Br_dq>(q + (bh * nq + i0) * D, d_o + (bh * nq + i0) * D, min(Br_dq, nq - i0), Qs,
                          dOs);
@@ -691,6 +715,11 @@ __global__ void __launch_bounds__(threads_for(Br_dq, MmaM))
     __pipeline_wait_prior(1);
     __syncthreads(); /* RAW: the whole tile (the first time, Q and dO too) is in shared memory */
     const T *Kt = Ks + buf * Bc * ld, *Vt = Vs + buf * Bc * ld;
+    if (j0 == 0) /* Q and dO have landed: their operands, once */
+#pragma unroll
+      for (int kk = 0; kk < D / MmaK; kk++)
+        ldmatrix_x4(q_frag[kk], a_operand(Qw + kk * MmaK, ld)),
+            ldmatrix_x4(do_frag[kk], a_operand(dOw + kk * MmaK, ld));
     /* Only a tile with keys past the end, rows past the end, or crossing the warp's
      * diagonal tests visibility. */
     bool masked = j0 + Bc > nkv || iw + MmaM > nq || (causal && j0 + Bc - 1 > iw + offset);
@@ -699,13 +728,11 @@ __global__ void __launch_bounds__(threads_for(Br_dq, MmaM))
       float s[2][4] = {}, dp[2][4] = {};
 #pragma unroll
       for (int kk = 0; kk < D / MmaK; kk++) {
-        unsigned a[4], b[4];
-        ldmatrix_x4(a, a_operand(Qw + kk * MmaK, ld));
+        unsigned b[4];
         ldmatrix_x4(b, b_operand(Kt + n2 * 16 * ld + kk * MmaK, ld));
-        mma_m16n8k16(s[0], a, b, T()), mma_m16n8k16(s[1], a, b + 2, T());
-        ldmatrix_x4(a, a_operand(dOw + kk * MmaK, ld));
+        mma_m16n8k16(s[0], q_frag[kk], b, T()), mma_m16n8k16(s[1], q_frag[kk], b + 2, T());
         ldmatrix_x4(b, b_operand(Vt + n2 * 16 * ld + kk * MmaK, ld));
-        mma_m16n8k16(dp[0], a, b, T()), mma_m16n8k16(dp[1], a, b + 2, T());
+        mma_m16n8k16(dp[0], do_frag[kk], b, T()), mma_m16n8k16(dp[1], do_frag[kk], b + 2, T());
       }
       unsigned p_frag[4], ds_frag[4];
 #pragma unroll
