@@ -10,6 +10,9 @@
 # FlashAttention's convention (B = 16384/N, H = 2048/d), non-causal and causal; its rows go to
 # OUT_DIR/LABEL.tsv, the stage column renamed STAGE:LABEL. VARIANT_SEQ (default "4096
 # 16384"), VARIANT_DIMS ("64 128"), VARIANT_DTYPE (fp16); BACKWARD=1 times the backward too.
+# VARIANT_BINS: a folder that keeps the binaries (named STAGE-LABEL); one already there is
+# timed as it is, not rebuilt. VARIANT_BUILD_ONLY=1 only builds them, for VARIANT_ARCH (e.g.
+# 90), so that a machine without a GPU can compile what a GPU machine then only times.
 set -euo pipefail
 stage=${1:?usage: variants.sh STAGE OUT_DIR [LABEL=FLAGS ...]}
 out=${2:?usage: variants.sh STAGE OUT_DIR [LABEL=FLAGS ...]}
@@ -17,14 +20,23 @@ shift 2
 lib=build-gpu/common
 [ -f "$lib/libattn_gpu.a" ] || { echo "variants.sh: no $lib/libattn_gpu.a; build first" >&2; exit 1; }
 mkdir -p "$out"
-bins=$(mktemp -d)
-arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+bins=${VARIANT_BINS:-$(mktemp -d)}
+mkdir -p "$bins"
+if [ -n "${VARIANT_ARCH:-}" ]; then
+  arch=$VARIANT_ARCH
+else
+  arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
+fi
 for variant in "base=" "$@"; do
   label=${variant%%=*} flags=${variant#*=}
   bin="$bins/$stage-$label"
-  # shellcheck disable=SC2086 # the flags are words
-  nvcc -O3 -std=c++20 -arch="sm_$arch" -Icommon $flags "$stage/attention.cu" "$lib/libattn_gpu.a" \
-    "$lib/libattn_common.a" -lm -o "$bin"
+  if [ ! -x "$bin" ]; then
+    echo "variants.sh: building $stage-$label ($flags)" >&2
+    # shellcheck disable=SC2086 # the flags are words
+    nvcc -O3 -std=c++20 -arch="sm_$arch" -Icommon $flags "$stage/attention.cu" \
+      "$lib/libattn_gpu.a" "$lib/libattn_common.a" -lm -o "$bin"
+  fi
+  [ -n "${VARIANT_BUILD_ONLY:-}" ] && continue
   rows=$(mktemp)
   for d in ${VARIANT_DIMS:-64 128}; do
     for n in ${VARIANT_SEQ:-4096 16384}; do
@@ -39,4 +51,4 @@ for variant in "base=" "$@"; do
     "$rows" > "$out/$label.tsv"
   rm -f "$rows"
 done
-rm -rf "$bins"
+[ -n "${VARIANT_BINS:-}" ] || rm -rf "$bins"
