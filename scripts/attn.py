@@ -44,17 +44,31 @@ def read_rows(*paths):
     return rows
 
 
+def run_of(r):
+    """A row's run: its date, and its optional `run` column, which keeps apart two runs of one
+    date (it names the commit whose kernels were measured). A stage is compared with
+    PyTorch's rows of its own run only."""
+    return (r["date"], r.get("run") or "")
+
+
 def latest(rows):
-    """Where one point (stage, direction, shape, dtype, device) was measured on several
-    dates, only the latest date's row: what a plot draws."""
+    """Where one point (stage, direction, shape, dtype, device) was measured in several runs,
+    only the latest run's row: what a plot draws. Runs are ordered by date, and runs of one
+    date by where their first row stands (rows are appended as they are measured)."""
     def point(r):
         return (r["stage"], r["direction"], r["dtype"], r["B"], r["H"], r["Nq"], r["Nkv"],
                 r["d"], r["causal"], r["device"])
+    first = {}
+    for k, r in enumerate(rows):
+        first.setdefault(run_of(r), k)
+
+    def rank(r):
+        return (r["date"], first[run_of(r)])
     last = {}
     for r in rows:
-        if point(r) not in last or r["date"] >= last[point(r)]:
-            last[point(r)] = r["date"]
-    return [r for r in rows if r["date"] == last[point(r)]]
+        if point(r) not in last or rank(r) >= last[point(r)]:
+            last[point(r)] = rank(r)
+    return [r for r in rows if rank(r) == last[point(r)]]
 
 
 def shape_key(r):

@@ -56,6 +56,7 @@ def merge(committed, fresh, swept_stages):
     if not rows:
         return
     header = list(new[0].keys()) if new else list(old[0].keys())
+    header += [h for h in (old[0].keys() if old else []) if h not in header]  # e.g. `run`
     with open(committed, "w") as f:
         f.write("\t".join(header) + "\n")
         for r in rows:

@@ -71,10 +71,10 @@ def results_table(root):
               "| stage | idea | dtype | fwd d=64 | fwd d=128 | bwd d=64 | bwd d=128 "
               "| % of SDPA flash (fwd d=64 / d=128) | memory |",
               "|---|---|---|---|---|---|---|---|---|"]
-    # A stage's row is compared with SDPA flash measured the same day, in the same run.
-    flash = {(d, day): pick(gpu, stage="sdpa_flash", dtype="fp16", direction="fwd", Nq=N, d=d,
-                            causal="0", date=day)
-             for d in ("64", "128") for day in {r["date"] for r in gpu}}
+    # A stage's row is compared with SDPA flash measured in the same run (attn.run_of).
+    flash = {(d, run): pick([r for r in gpu if attn.run_of(r) == run], stage="sdpa_flash",
+                            dtype="fp16", direction="fwd", Nq=N, d=d, causal="0")
+             for d in ("64", "128") for run in {attn.run_of(r) for r in gpu}}
 
     def tf(r):
         if not r:
@@ -98,7 +98,7 @@ def results_table(root):
             pct = []
             for d in ("64", "128"):
                 r = cells["fwd", d]
-                f = flash.get((d, r["date"])) if r else None
+                f = flash.get((d, attn.run_of(r))) if r else None
                 pct.append(f"{100 * float(r['tflops']) / float(f['tflops']):.1f}%"
                            if r and f and kind_rows is gpu else "-")
             if kind_rows is cpu:
@@ -113,15 +113,15 @@ def results_table(root):
                          f" | {dtype} | {tf(cells['fwd', '64'])} | {tf(cells['fwd', '128'])} "
                          f"| {tf(cells['bwd', '64'])} | {tf(cells['bwd', '128'])} "
                          f"| {' / '.join(pct)} | {memory} |")
-    days = sorted({r["date"] for r in gpu if r["stage"].startswith("sdpa_")})
-    for name, day in ((name, day) for name in ("flash", "cudnn", "efficient") for day in days):
+    runs = sorted({attn.run_of(r) for r in gpu if r["stage"].startswith("sdpa_")})
+    for name, run in ((name, run) for name in ("flash", "cudnn", "efficient") for run in runs):
         rows = [r for r in gpu if r["stage"] == f"sdpa_{name}" and r["dtype"] == "fp16"
-                and r["date"] == day]
+                and attn.run_of(r) == run]
         if not rows:
             continue
         c = {(di, d): pick(rows, direction=di, Nq=N, d=d, causal="0")
              for di in ("fwd", "bwd") for d in ("64", "128")}
-        when = f", {day}" if len(days) > 1 else ""
+        when = (f", {run[0]}" + (f" ({run[1]})" if run[1] else "")) if len(runs) > 1 else ""
         lines.append(f"| PyTorch SDPA `{name}`{when} | reference | fp16 | {tf(c['fwd', '64'])} "
                      f"| {tf(c['fwd', '128'])} | {tf(c['bwd', '64'])} | {tf(c['bwd', '128'])} "
                      f"| | |")
