@@ -24,6 +24,8 @@
 # the sweep's sequence lengths and dtypes.
 # PYTORCH_BACKENDS: SDPA backends to time (default: flash cudnn efficient math);
 # PYTORCH_SEQ: their sequence lengths (default: the sweep's).
+# PACK=1: at the end every file of OUT_DIR but summary.txt goes into OUT_DIR/results.tgz,
+# for a transport that brings back only a few files.
 # OUT_DIR gets summary.txt, the ctest logs, build.log, sweep.log, pytorch.log and rows/gpu.tsv
 # (the sweep's rows and PyTorch's, each appended as it is measured), so a run stopped at a
 # time limit still returns everything it finished. The 08 tests, sanitizers, sweep and SDPA
@@ -93,3 +95,9 @@ for phase in $phases; do
   esac
 done
 log "done"
+if [ -n "${PACK:-}" ]; then
+  pack=$(mktemp -d)/results.tgz
+  tar -czf "$pack" -C "$out" --exclude=./summary.txt . &&
+    find "$out" -mindepth 1 -maxdepth 1 ! -name summary.txt -exec rm -rf {} + &&
+    mv "$pack" "$out/results.tgz"
+fi
