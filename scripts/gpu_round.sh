@@ -10,7 +10,8 @@
 #   PHASES="pytorch sweep" SWEEP="07_tensor_cores 08_mma_sync" scripts/gpu_round.sh OUT_DIR
 #   PHASES="build" scripts/gpu_round.sh OUT_DIR  # then, elsewhere: PHASES="tests" ...
 #
-# PHASES: any of build, tests, sanitizer, sweep, pytorch (default: all five, in that order);
+# PHASES: any of build, tests, sanitizer, sweep, pytorch, variants (default: the first five,
+# in that order);
 # build always runs first, the others in the order given.
 # Without build, build-gpu must already hold a build of this tree: one made by this script
 # with the same CUDA toolkit at the same path (CMake and CTest record absolute paths), for
@@ -22,6 +23,10 @@
 # it 06's racecheck). SWEEP: the stages to sweep (default: every GPU stage); SWEEP_BUDGET:
 # seconds after which the sweep starts no new point; SWEEP_SEQ, SWEEP_DTYPES: a subset of
 # the sweep's sequence lengths and dtypes.
+# VARIANTS="STAGE LABEL=FLAGS ...": the variants phase times STAGE built with each LABEL's
+# compile flags beside STAGE as it is (scripts/variants.sh, BACKWARD=1; binaries already in
+# build-gpu/variants, built elsewhere with VARIANT_BUILD_ONLY=1, are timed as they are), rows
+# in OUT_DIR/variants/; VARIANT_SEQ and VARIANT_DIMS pass through.
 # PYTORCH_BACKENDS: SDPA backends to time (default: flash cudnn efficient math);
 # PYTORCH_SEQ: their sequence lengths (default: the sweep's).
 # PACK=1: at the end every file of OUT_DIR but summary.txt goes into OUT_DIR/results.tgz,
@@ -81,6 +86,17 @@ pytorch() {
     > "$out/pytorch.log" 2>&1
   log "pytorch: $(tail -1 "$out/pytorch.log")"
 }
+variants() {
+  local words
+  read -r -a words <<< "${VARIANTS:-}"
+  if [ ${#words[@]} -lt 1 ]; then
+    log "variants: VARIANTS=\"STAGE LABEL=FLAGS ...\" is not set"
+    return
+  fi
+  VARIANT_BINS=build-gpu/variants BACKWARD=1 bash scripts/variants.sh "${words[@]:0:1}" \
+    "$out/variants" "${words[@]:1}" > "$out/variants.log" 2>&1
+  log "variants: $(grep -c 'TFLOP/s' "$out/variants.log") timings (variants.log)"
+}
 
 # The phases after the build, in the order PHASES gives them: with little time left, put
 # pytorch before sweep so that the SDPA rows exist even if the sweep is cut short.
@@ -91,7 +107,8 @@ for phase in $phases; do
     sanitizer) run_tests sanitizer "${SANITIZER_JOBS:-8}" -L sanitizer ;;
     sweep) sweep ;;
     pytorch) pytorch ;;
-    *) log "unknown phase '$phase' (build, tests, sanitizer, sweep, pytorch)" ;;
+    variants) variants ;;
+    *) log "unknown phase '$phase' (build, tests, sanitizer, sweep, pytorch, variants)" ;;
   esac
 done
 log "done"

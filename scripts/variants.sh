@@ -37,7 +37,8 @@ for variant in "base=" "$@"; do
       "$lib/libattn_gpu.a" "$lib/libattn_common.a" -lm -o "$bin"
   fi
   [ -n "${VARIANT_BUILD_ONLY:-}" ] && continue
-  rows=$(mktemp)
+  rows="$out/$label.raw.tsv" # written row by row, so that a run stopped early keeps its rows
+  rm -f "$rows"
   for d in ${VARIANT_DIMS:-64 128}; do
     for n in ${VARIANT_SEQ:-4096 16384}; do
       for causal in "" --causal; do
