@@ -10,9 +10,10 @@
 # FlashAttention's convention (B = 16384/N, H = 2048/d), non-causal and causal; its rows go to
 # OUT_DIR/LABEL.tsv, the stage column renamed STAGE:LABEL. VARIANT_SEQ (default "4096
 # 16384"), VARIANT_DIMS ("64 128"), VARIANT_DTYPE (fp16); BACKWARD=1 times the backward too.
-# VARIANT_BINS: a folder that keeps the binaries (named STAGE-LABEL); one already there is
-# timed as it is, not rebuilt. VARIANT_BUILD_ONLY=1 only builds them, for VARIANT_ARCH (e.g.
-# 90), so that a machine without a GPU can compile what a GPU machine then only times.
+# VARIANT_BINS: a folder that keeps the binaries (named STAGE-LABEL, each with a STAGE-LABEL.key
+# of the sources, flags and arch it was built from); one whose key still matches is timed as
+# it is, not rebuilt. VARIANT_BUILD_ONLY=1 only builds them, for VARIANT_ARCH (e.g. 90), so
+# that a machine without a GPU can compile what a GPU machine then only times.
 set -euo pipefail
 stage=${1:?usage: variants.sh STAGE OUT_DIR [LABEL=FLAGS ...]}
 out=${2:?usage: variants.sh STAGE OUT_DIR [LABEL=FLAGS ...]}
@@ -30,11 +31,15 @@ fi
 for variant in "base=" "$@"; do
   label=${variant%%=*} flags=${variant#*=}
   bin="$bins/$stage-$label"
-  if [ ! -x "$bin" ]; then
+  # A kept binary is reused only if built from these very sources, flags and arch.
+  key="$(cat "$stage/attention.cu" common/*.h common/*.c common/*.cu | sha256sum | cut -c1-16)"
+  key="$key sm_$arch $flags"
+  if [ ! -x "$bin" ] || [ "$(cat "$bin.key" 2>/dev/null)" != "$key" ]; then
     echo "variants.sh: building $stage-$label ($flags)" >&2
     # shellcheck disable=SC2086 # the flags are words
     nvcc -O3 -std=c++20 -arch="sm_$arch" -Icommon $flags "$stage/attention.cu" \
       "$lib/libattn_gpu.a" "$lib/libattn_common.a" -lm -o "$bin"
+    echo "$key" > "$bin.key"
   fi
   [ -n "${VARIANT_BUILD_ONLY:-}" ] && continue
   rows="$out/$label.raw.tsv" # written row by row, so that a run stopped early keeps its rows
