@@ -1,0 +1,868 @@
+/* Stage 09: keeping the tensor cores fed.
+ *
+ * The kernels are stage 08's. What changes is how the operands reach ldmatrix:
+ *   - shared-memory tiles without padding, their 16-byte chunks permuted by XOR with the row
+ *     (`swizzle`, drawn below), so that ldmatrix's 8-row reads still hit all 32 banks and a
+ *     d = 128 forward block fits 96 KiB instead of 102 (every GPU since sm_80 takes it);
+ *   - in the forward, K and V copied and waited for separately: V(t)'s copy overlaps
+ *     S = Q K(t)^T and K(t + 1)'s the softmax and P V(t), with two barriers a tile as before.
+ */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_pipeline.h>
+#include <math.h>
+#include <type_traits>
+
+#include "attention.h"
+#include "gpu.h"
+
+/* mma.sync.aligned.m16n8k16: D (16 x 8, fp32) = A (16 x 16) B (16 x 8) + C, one warp.
+ * A lane l belongs to quad g = l / 4 and is lane t = l % 4 of it. Each operand is a set of
+ * 8 x 8 blocks; in every block lane l holds row g and the two columns 2t, 2t + 1 (two 16-bit
+ * values in one 32-bit register, the lower column in the lower half):
+ *
+ *   A (rows x k), 4 registers      B (k x cols), 2 registers     C, D (rows x cols), 4 floats
+ *           k 0-7   k 8-15                 cols 0-7                        cols 0-7
+ *   rows 0-7   a[0]   a[2]           k 0-7    b[0]  (transposed:   rows 0-7    c[0] c[1]
+ *   rows 8-15  a[1]   a[3]           k 8-15   b[1]   lane l holds  rows 8-15   c[2] c[3]
+ *                                                    column g, k 2t and 2t + 1)
+ *
+ * So lane l holds rows g and g + 8 of every accumulator, columns 2t and 2t + 1 of each
+ * 8-column block. Two accumulators side by side (16 columns) hold exactly the elements of one
+ * A operand with k = those 16 columns: c[0..1] of the first are a[0], c[2..3] are a[1], and
+ * the second gives a[2] and a[3]. That is how S becomes P without leaving the registers.
+ *
+ * ldmatrix.x4 loads four 8 x 8 blocks of 16-bit values from shared memory, each lane giving
+ * the address of one row (lanes 0-7 the rows of block 0, 8-15 of block 1, ...), and leaves
+ * them in this layout; with .trans each block arrives transposed.
+ */
+constexpr int MmaM = 16, MmaN = 8, MmaK = 16;
+constexpr int Quad = 4; /* lanes that share a row */
+/* A warp's query rows in the forward, in instruction heights (fragments). At d = 128, two:
+ * every K and V operand a warp loads from shared memory then feeds two mma.sync instead of
+ * one. At d <= 64, one, which leaves registers for two blocks of 8 warps per SM. Measured on
+ * an H100 (fp16, N = 4096 and 16384, forward TFLOP/s, scripts/variants.sh): at d = 128, 32
+ * rows a warp 251-267 against 16 rows 202-213; at d = 64, 16 rows (Q in registers) 216-231
+ * against 32 rows 209-222. */
+#ifndef ATTN_ROW_FRAGS
+#define ATTN_ROW_FRAGS 1 /* at d <= 64; -DATTN_ROW_FRAGS=2 for the alternative */
+#endif
+__host__ __device__ constexpr int row_frags(int d) { return d > 64 ? 2 : ATTN_ROW_FRAGS; }
+/* Where Q's A operands live: at d <= 64 in registers, loaded once (16 a lane); at d = 128
+ * they would take 64 registers beside S and O, so they are reloaded from shared memory. */
+__host__ __device__ constexpr bool q_in_registers(int d) { return d <= 64; }
+__host__ __device__ constexpr int threads_for(int rows, int warp_rows) {
+  return rows / warp_rows * 32;
+}
+/* Query rows per block: 128, so that each K and V tile copied into shared memory serves 128
+ * rows (8 warps of 16 rows, or 4 of 32). */
+constexpr int Br = 128;
+/* Keys per tile: S takes 32 registers a lane per 16 rows. Measured against 32 keys (the same
+ * runs; -DATTN_BC=32): 64 keys 2-4% faster at d = 64, 4% at d = 128. */
+#ifndef ATTN_BC
+#define ATTN_BC 64
+#endif
+constexpr int Bc = ATTN_BC;
+/* Keys per tile where the device cannot give a block tile_bytes(d, Bc) (96 KiB at d = 128,
+ * which every GPU since sm_80 allows; 102 KiB with -DATTN_SWIZZLE=0): half the keys. */
+constexpr int Bc_small = 32;
+static_assert(Bc_small % MmaK == 0, "a tile of keys is whole k-steps of P V");
+/* Shared-memory tiles are stored without padding and with the 16-byte chunks of each row
+ * permuted: logical chunk c of row r is stored at chunk c ^ (r % 8) (rows of 128 or 256
+ * bytes) or c ^ (r / 2 % 4) (rows of 64 bytes, two to a 128-byte line). One ldmatrix phase
+ * reads 8 rows at the same logical chunk; unpermuted, rows 128 or 256 bytes long all start
+ * on bank 0 and those 8 reads queue on 4 banks, while permuted they land on 8 different
+ * 16-byte bank groups, all 32 banks (08 padded every row by 16 bytes instead, which costs
+ * 6-12% of the shared memory). At d = 64, where each logical chunk is stored:
+ *
+ *   logical chunk   0 1 2 3 4 5 6 7
+ *   row 0           0 1 2 3 4 5 6 7
+ *   row 1           1 0 3 2 5 4 7 6
+ *   row 2           2 3 0 1 6 7 4 5
+ *   row 3           3 2 1 0 7 6 5 4      ... row 7: 7 6 5 4 3 2 1 0, row 8 as row 0
+ *
+ * -DATTN_SWIZZLE=0 builds 08's padded rows instead (the A/B table of the README). */
+#ifndef ATTN_SWIZZLE
+#define ATTN_SWIZZLE 1
+#endif
+#ifndef ATTN_SPLIT_WAITS
+#define ATTN_SPLIT_WAITS 1
+#endif
+constexpr int Skew = ATTN_SWIZZLE ? 0 : 16; /* bytes of padding per row */
+static_assert(Skew % 16 == 0, "rows stay 16-byte aligned: cp.async and ldmatrix move 16 bytes");
+template <typename E>
+__host__ __device__ constexpr int padded(int cols) {
+  return cols + Skew / (int)sizeof(E);
+}
+/* The offset of element (row, col) in a tile of D-element rows. A tile's first row must be
+ * a multiple of 8 rows into its buffer, which every tile and warp offset here is. */
+template <int D, typename T>
+__host__ __device__ constexpr int swizzle(int row, int col) {
+  constexpr int chunk = 16 / sizeof(T), chunks = D / chunk;  /* elements, chunks a row */
+  constexpr int rows_per_line = chunks < 8 ? 8 / chunks : 1; /* rows sharing 128 bytes */
+  constexpr int patterns = chunks < 8 ? chunks : 8;
+  int c = ATTN_SWIZZLE ? (col / chunk ^ row / rows_per_line % patterns) * chunk + col % chunk : col;
+  return row * padded<T>(D) + c;
+}
+
+/* Shared memory of a block walking tiles of bc keys: the double-buffered K and V tiles and
+ * `rows` rows of queries (the forward's Q; the dQ kernel's Q and dO). S and P stay in the
+ * registers. */
+template <typename T>
+static constexpr size_t tile_bytes(int d, int bc, int rows) {
+  return sizeof(T) * (4 * (size_t)bc + rows) * padded<T>(d);
+}
+
+/* Rows [0, rows) of a [*, D] tensor into a swizzled tile of ROWS rows, 16 bytes per copy,
+ * without waiting: cp.async lets the copy of tile t + 1 run while the warps multiply tile t.
+ * The rows past `rows` are zeroed, since they enter the products (0 times a stale NaN). */
+template <int D, int ROWS, typename T>
+__device__ void load_tile(const T *src, int rows, T *dst) {
+  constexpr int W = D * sizeof(T) / 16; /* 16-byte pieces per row */
+  for (int e = threadIdx.x; e < ROWS * W; e += blockDim.x) {
+    int r = e / W;
+    if (r < rows)
+      __pipeline_memcpy_async(dst + swizzle<D, T>(r, e % W * (16 / sizeof(T))),
+                              src + e * 16 / sizeof(T), 16);
+    else
+      *reinterpret_cast<float4 *>(dst + swizzle<D, T>(r, e % W * (16 / sizeof(T)))) = float4{};
+  }
+}
+
+/* The whole block copies rows [j0, j0 + cols) of K and V into Ks, Vs: consecutive threads
+ * take consecutive 16 bytes, so each warp reads 512 contiguous bytes. (blockDim.x, not Br:
+ * the dK/dV kernel reuses this with more threads per block, and for Q and dO: ROWS.) */
+template <int D, int ROWS = Bc, typename T>
+__device__ void load_kv_tile(const T *K, const T *V, int cols, T *Ks, T *Vs) {
+  load_tile<D, ROWS>(K, cols, Ks), load_tile<D, ROWS>(V, cols, Vs);
+}
+
+__device__ void mma_m16n8k16(float *c, const unsigned *a, const unsigned *b, __half) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ void mma_m16n8k16(float *c, const unsigned *a, const unsigned *b, __nv_bfloat16) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+/* volatile: a load from shared memory must stay between the barriers that guard it. The
+ * address is a shared-memory address (the operand helpers below make it). */
+__device__ void ldmatrix_x4(unsigned *r, unsigned address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+__device__ void ldmatrix_x4_trans(unsigned *r, unsigned address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+/* The shared-memory address of element (row + lane_row, col + lane_col) of a swizzled tile,
+ * where row is a multiple of 8 and col of 16. The lane's own address, for (lane_row,
+ * lane_col), is computed once; moving it by `col` then changes only the chunk bits, which
+ * the swizzle XORs with the row: swizzle(r, c + col) = swizzle(r, c) XOR col (in bytes) when
+ * col is whole 16-element steps and the tile starts on a row boundary aligned to the row's
+ * size (256-byte aligned shared memory, whole rows between tiles). So a step is one XOR, and
+ * the row offset, which the swizzle does not see, is an immediate the loads fold in. */
+template <int D, typename T>
+__device__ unsigned operand_address(const T *tile, int lane_row, int lane_col, int row, int col) {
+  unsigned lane = (unsigned)__cvta_generic_to_shared(tile + swizzle<D, T>(lane_row, lane_col));
+  unsigned moved = ATTN_SWIZZLE ? lane ^ (col * sizeof(T)) : lane + col * sizeof(T);
+  return moved + row * padded<T>(D) * sizeof(T);
+}
+
+/* Which row of the 16 x 16 block at (row, col) of a tile this lane points ldmatrix.x4 at,
+ * for the three ways the operands are read:
+ *   a_operand: the block as A (rows x k): blocks (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15),
+ *     (8-15, 8-15) are a[0..3];
+ *   b_operand: the block holds B transposed, one row per output column (K for S = Q K^T):
+ *     blocks (cols 0-7, k 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15) are b[0..1] of the
+ *     first 8 columns, then b[0..1] of the next 8;
+ *   b_operand_trans: the block holds B as it is, k down (V for O = P V), read with .trans:
+ *     blocks (k 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15). */
+template <int D, typename T>
+__device__ unsigned a_operand(const T *tile, int row, int col) {
+  int lane = threadIdx.x % 32;
+  return operand_address<D>(tile, lane % 16, lane / 16 * 8, row, col);
+}
+template <int D, typename T>
+__device__ unsigned b_operand(const T *tile, int row, int col) {
+  int lane = threadIdx.x % 32;
+  return operand_address<D>(tile, lane / 16 * 8 + lane % 8, lane / 8 % 2 * 8, row, col);
+}
+template <int D, typename T>
+__device__ unsigned b_operand_trans(const T *tile, int row, int col) {
+  int lane = threadIdx.x % 32;
+  return operand_address<D>(tile, lane / 8 % 2 * 8 + lane % 8, lane / 16 * 8, row, col);
+}
+
+/* The exponentials are exp2 (one instruction): exp(x) = exp2(x log2 e), log x = ln 2 log2 x. */
+constexpr float Log2e = 1.4426950408889634f, Ln2 = 0.6931471805599453f;
+
+/* 2^x in one instruction (MUFU.EX2); 2^-inf = +0. Its relative error, about 2^-22, is far
+ * below the dtype's rounding of P. */
+__device__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/* Two dtype values in one 32-bit register, `lo` in the lower half: an operand register,
+ * rounded to nearest even (the host rounds the same way). */
+__device__ unsigned pack2(float lo, float hi, __half) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<unsigned *>(&h);
+}
+__device__ unsigned pack2(float lo, float hi, __nv_bfloat16) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<unsigned *>(&h);
+}
+
+/* The largest of x over the quad that holds a row (its 4 lanes are xor 1 and 2 apart). */
+__device__ float max_over_quad(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ float sum_over_quad(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+/* A lane holds 2 rows of each of the warp's RowFrags fragments: its row h is g + 8 h of the
+ * warp's rows, element e of fragment f's accumulators belongs to row 2 f + e / 2. */
+
+/* A warp's S = Q K^T for one tile (RowFrags x 16 rows, BC keys) in accumulators
+ * s[f][BC / 8][4]. Only a tile that crosses the causal diagonal or the end of the keys is
+ * masked: an element past its row's last visible key becomes -inf. A row sees the tile's
+ * first `cols` keys, and on a diagonal tile the lane's row h only `visible + 8 h` of them.
+ * m_blk[h] is row h's max over the tile, reduced over the row's quad. */
+template <int D, int BC, typename T>
+__device__ void compute_qk_scores_and_max(const T *Q, const unsigned (*q_frag)[4], const T *K,
+                                          int cols, bool diagonal, int visible,
+                                          float (*s)[BC / MmaN][4], float *m_blk) {
+  constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
+#pragma unroll
+  for (int f = 0; f < RowFrags; f++)
+#pragma unroll
+    for (int n = 0; n < BC / MmaN; n++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) s[f][n][e] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / MmaK; kk++) {
+    unsigned a[RowFrags][4];
+#pragma unroll
+    for (int f = 0; f < RowFrags; f++) {
+      if (q_in_registers(D))
+#pragma unroll
+        for (int r = 0; r < 4; r++) a[f][r] = q_frag[kk][r];
+      else
+        ldmatrix_x4(a[f], a_operand<D>(Q, f * MmaM, kk * MmaK));
+    }
+#pragma unroll
+    for (int n2 = 0; n2 < BC / 16; n2++) { /* 16 keys: two accumulators per fragment */
+      unsigned b[4];
+      ldmatrix_x4(b, b_operand<D>(K, n2 * 16, kk * MmaK));
+#pragma unroll
+      for (int f = 0; f < RowFrags; f++)
+        mma_m16n8k16(s[f][2 * n2], a[f], b, T()), mma_m16n8k16(s[f][2 * n2 + 1], a[f], b + 2, T());
+    }
+  }
+  /* Only a tile that crosses the diagonal or the end of the keys is masked: a compare and a
+   * select per element. At d <= 64 a branch skips them on the other tiles; at d = 128 they
+   * are folded into the max on every tile, since the branch would cost 60 bytes of spills. */
+  int t = threadIdx.x % Quad;
+  if (RowFrags == 1 && (diagonal || cols < BC))
+#pragma unroll
+    for (int n = 0; n < BC / MmaN; n++)
+#pragma unroll
+      for (int e = 0; e < 4; e++)
+        if (n * MmaN + 2 * t + e % 2 >= (diagonal ? min(cols, visible + 8 * (e / 2)) : cols))
+          s[0][n][e] = -INFINITY;
+#pragma unroll
+  for (int h = 0; h < LaneRows; h++) m_blk[h] = -INFINITY;
+#pragma unroll
+  for (int f = 0; f < RowFrags; f++)
+#pragma unroll
+    for (int n = 0; n < BC / MmaN; n++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        int row_cols = diagonal ? min(cols, visible + 8 * (2 * f + e / 2)) : cols;
+        if (RowFrags > 1 && (diagonal || cols < BC) && n * MmaN + 2 * t + e % 2 >= row_cols)
+          s[f][n][e] = -INFINITY;
+        m_blk[2 * f + e / 2] = fmaxf(m_blk[2 * f + e / 2], s[f][n][e]);
+      }
+#pragma unroll
+  for (int h = 0; h < LaneRows; h++) m_blk[h] = max_over_quad(m_blk[h]);
+}
+
+/* m' = max(m, m_blk), in units of the raw S; what was summed under 2^(-m scale log2 e) (l
+ * and the O accumulators) is rescaled by 2^((m - m') scale log2 e), row by row. */
+template <int D>
+__device__ void merge_block_stats(const float *m_blk, float scale_log2, float *m, float *l,
+                                  float (*acc)[D / MmaN][4]) {
+  constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
+  float correction[LaneRows];
+#pragma unroll
+  for (int h = 0; h < LaneRows; h++) {
+    float m_new = fmaxf(m[h], m_blk[h]);
+    /* While a row has seen no key m' is still -inf, and 2^(-inf - -inf) would be NaN; there
+     * is nothing to rescale then (l = 0, acc = 0). Otherwise 0 on the first visible tile. */
+    correction[h] = m_new == -INFINITY ? 1.f : exp2_approx((m[h] - m_new) * scale_log2);
+    l[h] *= correction[h];
+    m[h] = m_new;
+  }
+#pragma unroll
+  for (int f = 0; f < RowFrags; f++)
+#pragma unroll
+    for (int n = 0; n < D / MmaN; n++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) acc[f][n][e] *= correction[2 * f + e / 2];
+}
+
+/* p = 2^((s - m) scale log2(e)); l += p (this lane's columns only: the quad's partial sums
+ * are added once, at the end); acc += P V. For each 16 keys the two accumulators of S that
+ * hold them become one A operand of P V. Not one FFMA, 2^(s c - m c) with m c precomputed
+ * as FlashAttention does: m c is rounded, and for the row's largest element s c - round(m c)
+ * is that rounding error, half an ulp of m c, which is no longer small once |m c| passes
+ * 2^16 or so (4096 at logits of 1e11, bf16 inputs near 1e5): 2^4096 is inf. */
+template <int D, int BC, typename T>
+__device__ void compute_block_softmax_and_weighted_v(const float (*s)[BC / MmaN][4], const T *V,
+                                                     float scale_log2, const float *m, float *l,
+                                                     float (*acc)[D / MmaN][4]) {
+  constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
+  /* A row that has seen no key (m = -inf) has only -inf logits: 2^(-inf - 0) = 0. */
+  float m_use[LaneRows];
+#pragma unroll
+  for (int h = 0; h < LaneRows; h++) m_use[h] = m[h] == -INFINITY ? 0.f : m[h];
+#pragma unroll
+  for (int kk = 0; kk < BC / MmaK; kk++) {
+    unsigned p_frag[RowFrags][4];
+#pragma unroll
+    for (int f = 0; f < RowFrags; f++)
+#pragma unroll
+      for (int half = 0; half < 2; half++) {
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          p[e] = exp2_approx((s[f][2 * kk + half][e] - m_use[2 * f + e / 2]) * scale_log2);
+          l[2 * f + e / 2] += p[e];
+        }
+        p_frag[f][2 * half] = pack2(p[0], p[1], T());     /* rows 0-7 */
+        p_frag[f][2 * half + 1] = pack2(p[2], p[3], T()); /* rows 8-15 */
+      }
+#pragma unroll
+    for (int n2 = 0; n2 < D / 16; n2++) {
+      unsigned b[4];
+      ldmatrix_x4_trans(b, b_operand_trans<D>(V, kk * MmaK, n2 * 16));
+#pragma unroll
+      for (int f = 0; f < RowFrags; f++)
+        mma_m16n8k16(acc[f][2 * n2], p_frag[f], b, T()),
+            mma_m16n8k16(acc[f][2 * n2 + 1], p_frag[f], b + 2, T());
+    }
+  }
+}
+
+/* Writes a warp's FRAGS x 16 rows of fp32 accumulators times factor[h] (h the lane's row) in
+ * the dtype, rows [0, rows) only: each lane stores its two adjacent columns as one word. */
+template <int D, int FRAGS, typename T>
+__device__ void store_tile(const float (*acc)[D / MmaN][4], const float *factor, T *out, int rows) {
+  int g = threadIdx.x % 32 / Quad, t = threadIdx.x % Quad;
+#pragma unroll
+  for (int h = 0; h < 2 * FRAGS; h++) {
+    int r = g + 8 * h, e = 2 * (h % 2);
+    if (r < rows)
+#pragma unroll
+      for (int n = 0; n < D / MmaN; n++)
+        *reinterpret_cast<unsigned *>(out + (long)r * D + n * MmaN + 2 * t) =
+            pack2(acc[h / 2][n][e] * factor[h], acc[h / 2][n][e + 1] * factor[h], T());
+  }
+}
+
+/* O = acc / l, LSE = m scale + ln l for the lane's rows (a row that saw no key: O = 0,
+ * LSE = -inf), after adding up the quad's partial sums of l. */
+template <int D, typename T>
+__device__ void normalize_output(const float (*acc)[D / MmaN][4], const float *m, float *l,
+                                 float scale_log2, T *O, float *LSE, int rows) {
+  constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
+  float inv_l[LaneRows];
+#pragma unroll
+  for (int h = 0; h < LaneRows; h++) {
+    l[h] = sum_over_quad(l[h]);
+    inv_l[h] = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    int r = threadIdx.x % 32 / Quad + 8 * h;
+    if (threadIdx.x % Quad == 0 && r < rows)
+      LSE[r] = l[h] > 0.f ? (m[h] * scale_log2 + log2f(l[h])) * Ln2 : -INFINITY;
+  }
+  store_tile<D, RowFrags>(acc, inv_l, O, rows);
+}
+
+template <int D, int BC, typename T>
+__global__ void __launch_bounds__(threads_for(Br, row_frags(D) * MmaM), 2)
+    flash_forward_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                         T *__restrict__ o, float *__restrict__ lse, int nq, int nkv, int heads,
+                         float scale, int causal) {
+  constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
+  extern __shared__ __align__(256) float4 smem[]; /* cp.async and ldmatrix move 16 bytes */
+  T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + 2 * BC * padded<T>(D);
+  T *Qs = Vs + 2 * BC * padded<T>(D); /* K and V double-buffered, then the Q tile */
+  /* Causal blocks have unequal work: row block r runs about r + 1 tiles' worth. Ordered by
+   * row block across all heads, every head's heaviest block starts first and the light ones
+   * fill the tail (measured at N = 4096, d = 64: ordered per head, the heavy blocks of the
+   * last heads started last and causal was only 1.57x faster than non-causal; ordered
+   * across heads, 1.92x). Non-causal blocks are equal, so a head's blocks stay adjacent and
+   * share its K and V in L2 (ordered across heads instead: 6.5% slower). */
+  int row_blocks = (nq + Br - 1) / Br;
+  long bh = causal ? blockIdx.x % heads : blockIdx.x / row_blocks;
+  int i0 =
+      (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) * Br;
+  /* The warp's rows start at row0; this lane holds rows i + 8 h. A warp past the last row
+   * still helps load tiles and meets every barrier. */
+  int row0 = i0 + threadIdx.x / 32 * RowFrags * MmaM, i = row0 + threadIdx.x % 32 / Quad;
+  const T *K = k + bh * nkv * D, *V = v + bh * nkv * D;
+  float acc[RowFrags][D / MmaN][4] = {}, s[RowFrags][BC / MmaN][4];
+  float m[LaneRows], l[LaneRows], m_blk[LaneRows];
+  unsigned q_frag[q_in_registers(D) ? D / MmaK : 1][4];
+#pragma unroll
+  for (int h = 0; h < LaneRows; h++) m[h] = -INFINITY, l[h] = 0.f;
+  load_tile<D, Br>(q + (bh * nq + i0) * D, min(Br, nq - i0), Qs);
+  /* The row max is taken on the raw S, which is right for a positive scale only: a negative
+   * scale is a positive one on -Q (exact), and a zero scale sees Q = 0. */
+  float scale_log2 = scale == 0.f ? Log2e : fabsf(scale) * Log2e;
+  if (scale <= 0.f) {
+    __pipeline_commit();
+    __pipeline_wait_prior(0);
+    __syncthreads(); /* RAW: the Q tile has landed before it is rewritten */
+    for (int e = threadIdx.x; e < Br * D; e += blockDim.x) {
+      T &x = Qs[swizzle<D, T>(e / D, e % D)];
+      x = T(scale < 0.f ? -float(x) : 0.f);
+    }
+  } /* (the first barrier of the loop orders these writes before the loads of Q) */
+  /* Keys [0, kv_end) are visible to some row of the block: the last row sees the most. */
+  int offset = nkv - nq, last_row = min(i0 + Br, nq) - 1;
+  int kv_end = causal ? max(0, min(nkv, last_row + offset + 1)) : nkv;
+  /* K and V travel in copy groups of their own, K(t) then V(t), so that each product waits
+   * only for its operand: V(t)'s copy overlaps S = Q K(t)^T, and K(t + 1)'s the softmax and
+   * P V(t). (Q's copy joins K(0)'s group.) -DATTN_SPLIT_WAITS=0 copies and waits for K and V
+   * together at the top of each tile, as 08 does (the A/B table of the README). */
+  constexpr bool split = ATTN_SPLIT_WAITS;
+  if (kv_end > 0) load_tile<D, BC>(K, min(BC, nkv), Ks);
+  __pipeline_commit();
+  if (kv_end > 0) load_tile<D, BC>(V, min(BC, nkv), Vs);
+  __pipeline_commit();
+  for (int j0 = 0, buf = 0; j0 < kv_end; j0 += BC, buf ^= 1) {
+    int cols = min(BC, nkv - j0), next = j0 + BC;
+    T *Kn = Ks + (buf ^ 1) * BC * padded<T>(D), *Vn = Vs + (buf ^ 1) * BC * padded<T>(D);
+    if (next < kv_end) load_tile<D, BC>(K + (long)next * D, min(BC, nkv - next), Kn);
+    if (!split && next < kv_end) load_tile<D, BC>(V + (long)next * D, min(BC, nkv - next), Vn);
+    __pipeline_commit();
+    /* K(t) has landed (and, not split, V(t)); V(t) and K(t + 1) may still be in flight */
+    __pipeline_wait_prior(split ? 2 : 1);
+    __syncthreads(); /* RAW: K(t) (the first time, Q too) is in shared memory; WAR, split: every
+                      * warp is done with P V(t - 1), so V(t + 1) may overwrite its buffer */
+    /* A tile past the warp's first row's limit crosses the diagonal: each row keeps the
+     * columns it sees, [j0, i + offset], which may be none. */
+    bool diagonal = causal && j0 + cols - 1 > row0 + offset;
+    const T *Kt = Ks + buf * BC * padded<T>(D), *Vt = Vs + buf * BC * padded<T>(D);
+    if (q_in_registers(D) && j0 == 0) /* Q has landed: its operands, once */
+#pragma unroll
+      for (int kk = 0; kk < D / MmaK; kk++)
+        ldmatrix_x4(q_frag[kk], a_operand<D>(Qs, row0 - i0, kk * MmaK));
+    compute_qk_scores_and_max<D, BC>(Qs + (row0 - i0) * padded<T>(D), q_frag, Kt, cols, diagonal,
+                                     i + offset + 1 - j0, s, m_blk);
+    merge_block_stats<D>(m_blk, scale_log2, m, l, acc);
+    if (split && next < kv_end) load_tile<D, BC>(V + (long)next * D, min(BC, nkv - next), Vn);
+    __pipeline_commit();
+    __pipeline_wait_prior(2); /* V(t) has landed; K(t + 1) and V(t + 1) may still be in flight */
+    __syncthreads();          /* RAW: V(t) is in shared memory; WAR: every warp is done with
+                               * S = Q K(t)^T, so K(t + 2) may overwrite its buffer */
+    compute_block_softmax_and_weighted_v<D, BC>(s, Vt, scale_log2, m, l, acc);
+    if (!split) __syncthreads(); /* WAR: every warp is done with V(t) before V(t + 2) */
+  }
+  __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
+  normalize_output<D>(acc, m, l, scale_log2, o + (bh * nq + row0) * D, lse + bh * nq + row0,
+                      nq - row0);
+}
+
+template <int D, int BC, typename T>
+static void launch_forward(const attn_problem *p, const attn_buffers *t) {
+  int heads = p->batch * p->heads;
+  dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
+  attn_require_shared_memory((const void *)flash_forward_kernel<D, BC, T>, tile_bytes<T>(D, BC, Br),
+                             "flash_forward_kernel");
+  flash_forward_kernel<D, BC>
+      <<<grid, threads_for(Br, row_frags(D) * MmaM), tile_bytes<T>(D, BC, Br)>>>(
+          (const T *)t->q, (const T *)t->k, (const T *)t->v, (T *)t->o, t->lse, p->seq_q, p->seq_kv,
+          heads, p->scale, p->causal);
+  CHECK_LAUNCH("flash_forward_kernel");
+}
+
+/* fp16, or bf16 through launch<D, __nv_bfloat16>: the harness uploads the problem's dtype. */
+template <int D, typename T = __half>
+static void launch(const attn_problem *p, const attn_buffers *t) {
+  if (p->dtype == DTYPE_BF16 && !std::is_same_v<T, __nv_bfloat16>)
+    return launch<D, __nv_bfloat16>(p, t);
+  if (tile_bytes<T>(D, Bc, Br) <= attn_shared_memory_limit())
+    launch_forward<D, Bc, T>(p, t);
+  else
+    launch_forward<D, Bc_small, T>(p, t);
+}
+
+static void forward(const attn_problem *p, const attn_buffers *t) {
+  switch (p->head_dim) {
+    case 32: launch<32>(p, t); break;
+    case 64: launch<64>(p, t); break;
+    case 128: launch<128>(p, t); break;
+  }
+}
+
+/* ---- the backward ------------------------------------------------------------------ */
+
+/* Keys per dK/dV block, 16 a warp: 8 warps, so that each Q and dO tile serves 128 keys
+ * (measured on an H100, fp16, N = 4096 and 16384: 8 warps 35% faster than 4 at d = 128). */
+constexpr int Bc_bwd = 128;
+/* Keys per dK/dV block where the device cannot give a block dkdv_bytes(d, Bc_bwd) (137 KiB
+ * at d = 128; sm_86 and sm_89 allow 99 KiB, sm_80 163 KiB): half the keys and query rows. */
+constexpr int Bc_bwd_small = 64;
+/* Query rows per tile of the dK/dV kernel: half its keys (64 rows, like Bc in the forward). */
+__host__ __device__ constexpr int rows_bwd(int bc) { return bc / 2; }
+/* The dQ kernel: 4 warps of 16 query rows each, walking tiles of 32 keys, half the forward's,
+ * so that its shared memory (68 KiB at d = 128) lets 3 blocks share an SM; measured on an
+ * H100, +3 to +7% on the backward at d = 128 and +2 to +3% at d = 64, against 64 keys. */
+constexpr int Br_dq = 4 * MmaM, Bc_dq = 32;
+static_assert(rows_bwd(Bc_bwd_small) % MmaK == 0 && Bc_dq % MmaK == 0, "whole k-steps");
+
+/* Blocks of the dK/dV kernel that must fit an SM at once, which caps its registers: at
+ * d <= 64, 2 (128 registers a thread; measured on an H100, +12 to +16% on the backward
+ * against the compiler's 134 registers and one block); at d = 128 dK and dV alone take 128
+ * registers, so 1. */
+__host__ __device__ constexpr int dkdv_blocks_per_sm(int d) { return d <= 64 ? 2 : 1; }
+/* Blocks of the dQ kernel that must fit an SM at once. Its Q and dO operands stay in
+ * registers, where the compiler would take 132 registers at d = 64 and 178 at d = 128 (3 and
+ * 2 blocks); capped, 4 blocks at d <= 64 (128 registers, no spill) and 3 at d = 128 (168, an
+ * 8-byte spill). -DATTN_DQ_BLOCKS=N sets N at every d, for measuring the choice. */
+#ifndef ATTN_DQ_BLOCKS
+#define ATTN_DQ_BLOCKS 0
+#endif
+__host__ __device__ constexpr int dq_blocks_per_sm(int d) {
+  return ATTN_DQ_BLOCKS ? ATTN_DQ_BLOCKS : d <= 64 ? 4 : 3;
+}
+
+static size_t backward_workspace(const attn_problem *p) {
+  return sizeof(float) * attn_lse_elems(p);
+}
+
+/* Shared memory of the dK/dV kernel: K and V (bc x d), double-buffered Q and dO tiles and
+ * LSE and D of their rows. P^T and dS^T never leave the registers. */
+template <typename T>
+static constexpr size_t dkdv_bytes(int d, int bc) {
+  return sizeof(T) * (2 * (size_t)bc + 4 * rows_bwd(bc)) * padded<T>(d) +
+         sizeof(float) * 4 * rows_bwd(bc);
+}
+static_assert(tile_bytes<__half>(128, Bc_small, Br) <= 99 * 1024 &&
+                  tile_bytes<__half>(128, Bc_dq, 2 * Br_dq) <= 99 * 1024 &&
+                  dkdv_bytes<__half>(128, Bc_bwd_small) <= 99 * 1024,
+              "every kernel has a configuration within the 99 KiB of sm_86 and sm_89");
+
+/* D_i = sum_c dO_ic O_ic, one thread per row. (It equals sum_j dP_ij P_ij: the backward of
+ * the softmax needs exactly this dot product, and O = P V makes it a d-term sum.) */
+template <typename T>
+__global__ void compute_delta_kernel(const T *o, const T *d_o, float *delta, long rows, int d) {
+  long r = blockIdx.x * (long)blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  float sum = 0.f;
+  for (int c = 0; c < d; c++) sum += float(d_o[r * d + c]) * float(o[r * d + c]);
+  delta[r] = sum;
+}
+
+/* Copies `rows` rows of LSE (times log2 e, for exp2) and D into shared memory; the rows past
+ * them up to `tile_rows` get 0 (they are masked anyway). */
+__device__ void load_row_stats(const float *lse, const float *delta, int rows, int tile_rows,
+                               float *lse_s, float *delta_s) {
+  for (int e = threadIdx.x; e < tile_rows; e += blockDim.x) {
+    lse_s[e] = e < rows ? lse[e] * Log2e : 0.f;
+    delta_s[e] = e < rows ? delta[e] : 0.f;
+  }
+}
+
+/* P = 2^(s scale log2(e) - LSE) (LSE in log2 units) and dS = P (dP - D) for the four
+ * elements of an accumulator, left as half an A operand: out[0] packs rows 0-7, out[1] rows
+ * 8-15. A masked element is 0, and exp2 is never asked for it, so a row that sees no key
+ * (LSE = -inf) cannot make a NaN. P <= 1 exactly, but an fp32 LSE of logits near 1e11 (bf16
+ * inputs near 1e5) is known only to about 4096, and 2^4096 is inf; the clamp keeps P a
+ * probability, so such inputs give finite gradients instead of NaN. */
+template <typename T>
+__device__ void probabilities_and_ds(const float *s, const float *dp, float scale_log2,
+                                     const float *lse, const float *delta, const bool *visible,
+                                     unsigned *p_out, unsigned *ds_out) {
+  float p[4], ds[4];
+#pragma unroll
+  for (int e = 0; e < 4; e++) {
+    p[e] = visible[e] ? fminf(1.f, exp2_approx(fmaf(s[e], scale_log2, -lse[e]))) : 0.f;
+    ds[e] = p[e] * (dp[e] - delta[e]);
+  }
+  p_out[0] = pack2(p[0], p[1], T()), p_out[1] = pack2(p[2], p[3], T());
+  ds_out[0] = pack2(ds[0], ds[1], T()), ds_out[1] = pack2(ds[2], ds[3], T());
+}
+
+/* A warp per 16 keys j of the block's BC keys (Bc_bwd, or Bc_bwd_small where shared memory
+ * is smaller), keeping their dK, dV in accumulators while it walks the query tiles 16 queries
+ * at a time: S^T = K Q^T and dP^T = V dO^T (keys as rows), P^T and dS^T made in registers,
+ * then dV += P^T dO and dK += dS^T Q with those 16 queries as the k-step. */
+template <int D, int BC, typename T>
+__global__ void __launch_bounds__(threads_for(BC, MmaM), dkdv_blocks_per_sm(D))
+    flash_backward_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ k,
+                               const T *__restrict__ v, const T *__restrict__ d_o,
+                               const float *__restrict__ lse, const float *__restrict__ delta,
+                               T *__restrict__ dk, T *__restrict__ dv, int nq, int nkv, int heads,
+                               float scale, int causal) {
+  constexpr int ld = padded<T>(D), Br_bwd = rows_bwd(BC);
+  extern __shared__ __align__(256) float4 smem_bwd[];
+  T *Ks = reinterpret_cast<T *>(smem_bwd), *Vs = Ks + BC * ld;
+  T *Qs = Vs + BC * ld, *dOs = Qs + 2 * Br_bwd * ld; /* Q and dO double-buffered */
+  float *lse_s = reinterpret_cast<float *>(dOs + 2 * Br_bwd * ld), *delta_s = lse_s + 2 * Br_bwd;
+  int key_blocks = (nkv + BC - 1) / BC;
+  long bh = blockIdx.x / key_blocks;
+  int g = threadIdx.x % 32 / Quad, tq = threadIdx.x % Quad;
+  int j0 = (int)(blockIdx.x % key_blocks) * BC, jw = j0 + threadIdx.x / 32 * MmaM;
+  int offset = nkv - nq;
+  const T *Kw = Ks + (jw - j0) * ld, *Vw = Vs + (jw - j0) * ld; /* the warp's 16 keys */
+  const T *Q = q + bh * nq * D, *dO = d_o + bh * nq * D;
+  load_kv_tile<D, BC>(k + (bh * nkv + j0) * D, v + (bh * nkv + j0) * D, min(BC, nkv - j0), Ks, Vs);
+  float dk_acc[1][D / MmaN][4] = {}, dv_acc[1][D / MmaN][4] = {};
+  const float scale_log2 = scale * Log2e;
+  /* Under the causal mask the first query that sees key j0 is j0 - offset: the query tiles
+   * before it are skipped. */
+  int i_begin = causal ? max(0, j0 - offset) : 0;
+  if (i_begin < nq) {
+    load_kv_tile<D, Br_bwd>(Q + (long)i_begin * D, dO + (long)i_begin * D,
+                            min(Br_bwd, nq - i_begin), Qs, dOs);
+    load_row_stats(lse + bh * nq + i_begin, delta + bh * nq + i_begin, min(Br_bwd, nq - i_begin),
+                   Br_bwd, lse_s, delta_s);
+  }
+  __pipeline_commit();
+  for (int i0 = i_begin, buf = 0; i0 < nq; i0 += Br_bwd, buf ^= 1) {
+    int next = i0 + Br_bwd, rows = min(Br_bwd, nq - next), nb = (buf ^ 1) * Br_bwd;
+    if (next < nq) {
+      load_kv_tile<D, Br_bwd>(Q + (long)next * D, dO + (long)next * D, rows, Qs + nb * ld,
+                              dOs + nb * ld);
+      load_row_stats(lse + bh * nq + next, delta + bh * nq + next, rows, Br_bwd, lse_s + nb,
+                     delta_s + nb);
+    }
+    __pipeline_commit();
+    __pipeline_wait_prior(1);
+    __syncthreads(); /* RAW: the Q/dO tile, LSE and D (the first time, K and V) are in shared
+                      * memory before use */
+    const T *Qt = Qs + buf * Br_bwd * ld, *dOt = dOs + buf * Br_bwd * ld;
+    const float *lse_t = lse_s + buf * Br_bwd, *delta_t = delta_s + buf * Br_bwd;
+    /* Only a tile with rows past the end of the queries, keys past the end of the keys, or a
+     * key that some of its rows must not see (it crosses the diagonal) tests visibility. */
+    bool masked = i0 + Br_bwd > nq || jw + MmaM > nkv || (causal && jw + MmaM - 1 > i0 + offset);
+#pragma unroll
+    for (int n2 = 0; n2 < Br_bwd / MmaK; n2++) { /* 16 queries: one k-step of dV and dK */
+      float s[2][4] = {}, dp[2][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < D / MmaK; kk++) {
+        unsigned a[4], b[4];
+        ldmatrix_x4(a, a_operand<D>(Kw, 0, kk * MmaK));
+        ldmatrix_x4(b, b_operand<D>(Qt, n2 * 16, kk * MmaK));
+        mma_m16n8k16(s[0], a, b, T()), mma_m16n8k16(s[1], a, b + 2, T());
+        ldmatrix_x4(a, a_operand<D>(Vw, 0, kk * MmaK));
+        ldmatrix_x4(b, b_operand<D>(dOt, n2 * 16, kk * MmaK));
+        mma_m16n8k16(dp[0], a, b, T()), mma_m16n8k16(dp[1], a, b + 2, T());
+      }
+      unsigned p_frag[4], ds_frag[4];
+#pragma unroll
+      for (int half = 0; half < 2; half++) { /* queries 0-7, then 8-15 of the k-step */
+        int col = n2 * 16 + half * MmaN + 2 * tq;
+        float lse_e[4] = {lse_t[col], lse_t[col + 1], lse_t[col], lse_t[col + 1]};
+        float delta_e[4] = {delta_t[col], delta_t[col + 1], delta_t[col], delta_t[col + 1]};
+        bool visible[4] = {true, true, true, true};
+        if (masked)
+#pragma unroll
+          for (int e = 0; e < 4; e++) {
+            int i = i0 + col + e % 2, j = jw + g + 8 * (e / 2);
+            visible[e] = i < nq && j < nkv && (!causal || j <= i + offset);
+          }
+        probabilities_and_ds<T>(s[half], dp[half], scale_log2, lse_e, delta_e, visible,
+                                p_frag + 2 * half, ds_frag + 2 * half);
+      }
+#pragma unroll
+      for (int c2 = 0; c2 < D / 16; c2++) {
+        unsigned b[4];
+        ldmatrix_x4_trans(b, b_operand_trans<D>(dOt, n2 * 16, c2 * 16));
+        mma_m16n8k16(dv_acc[0][2 * c2], p_frag, b, T());
+        mma_m16n8k16(dv_acc[0][2 * c2 + 1], p_frag, b + 2, T());
+        ldmatrix_x4_trans(b, b_operand_trans<D>(Qt, n2 * 16, c2 * 16));
+        mma_m16n8k16(dk_acc[0][2 * c2], ds_frag, b, T());
+        mma_m16n8k16(dk_acc[0][2 * c2 + 1], ds_frag, b + 2, T());
+      }
+    }
+    __syncthreads(); /* WAR: every warp is done with buffer `buf` before tile t + 2 fills it */
+  }
+  __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
+  const float dk_factor[2] = {scale, scale}, dv_factor[2] = {1.f, 1.f};
+  store_tile<D, 1>(dk_acc, dk_factor, dk + (bh * nkv + jw) * D, nkv - jw);
+  store_tile<D, 1>(dv_acc, dv_factor, dv + (bh * nkv + jw) * D, nkv - jw);
+}
+
+/* A warp per 16 query rows, keeping dQ in accumulators while it walks the key tiles like the
+ * forward, 16 keys at a time: S = Q K^T and dP = dO V^T, dS = P (dP - D) made in registers,
+ * then dQ += dS K with those 16 keys as the k-step. */
+template <int D, typename T>
+__global__ void __launch_bounds__(threads_for(Br_dq, MmaM), dq_blocks_per_sm(D))
+    flash_backward_dq_kernel(const T *__restrict__ q, const T *__restrict__ k,
+                             const T *__restrict__ v, const T *__restrict__ d_o,
+                             const float *__restrict__ lse, const float *__restrict__ delta,
+                             T *__restrict__ dq, int nq, int nkv, int heads, float scale,
+                             int causal) {
+  constexpr int ld = padded<T>(D), Bc = Bc_dq;
+  extern __shared__ __align__(256) float4 smem[];
+  T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + 2 * Bc * ld, *Qs = Vs + 2 * Bc * ld;
+  T *dOs = Qs + Br_dq * ld;
+  int row_blocks = (nq + Br_dq - 1) / Br_dq;
+  long bh = causal ? blockIdx.x % heads : blockIdx.x / row_blocks;
+  int i0 = (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) *
+           Br_dq;
+  int iw = i0 + threadIdx.x / 32 * MmaM, g = threadIdx.x % 32 / Quad, tq = threadIdx.x % Quad;
+  const T *Qw = Qs + (iw - i0) * ld, *dOw = dOs + (iw - i0) * ld; /* the warp's 16 rows */
+  const T *K = k + bh * nkv * D, *V = v + bh * nkv * D;
+  float dq_acc[1][D / MmaN][4] = {};
+  /* The warp's Q and dO rows as A operands, read once from shared memory: the same 16 rows
+   * meet every key tile, and reloading them would double the ldmatrix reads of S and dP. */
+  unsigned q_frag[D / MmaK][4], do_frag[D / MmaK][4];
+  const float scale_log2 = scale * Log2e;
+  load_kv_tile<D, Br_dq>(q + (bh * nq + i0) * D, d_o + (bh * nq + i0) * D, min(Br_dq, nq - i0), Qs,
+                         dOs);
+  /* LSE (log2 units) and D of the lane's two rows, in registers; rows past the end get 0. */
+  float lse_e[4], delta_e[4];
+#pragma unroll
+  for (int e = 0; e < 4; e++) {
+    int i = iw + g + 8 * (e / 2);
+    lse_e[e] = i < nq ? lse[bh * nq + i] * Log2e : 0.f;
+    delta_e[e] = i < nq ? delta[bh * nq + i] : 0.f;
+  }
+  int offset = nkv - nq, last_row = min(i0 + Br_dq, nq) - 1;
+  int kv_end = causal ? max(0, min(nkv, last_row + offset + 1)) : nkv;
+  if (kv_end > 0) load_kv_tile<D, Bc>(K, V, min(Bc, nkv), Ks, Vs);
+  __pipeline_commit();
+  for (int j0 = 0, buf = 0; j0 < kv_end; j0 += Bc, buf ^= 1) {
+    int next = j0 + Bc;
+    if (next < kv_end)
+      load_kv_tile<D, Bc>(K + (long)next * D, V + (long)next * D, min(Bc, nkv - next),
+                          Ks + (buf ^ 1) * Bc * ld, Vs + (buf ^ 1) * Bc * ld);
+    __pipeline_commit();
+    __pipeline_wait_prior(1);
+    __syncthreads(); /* RAW: the whole tile (the first time, Q and dO too) is in shared memory */
+    const T *Kt = Ks + buf * Bc * ld, *Vt = Vs + buf * Bc * ld;
+    if (j0 == 0) /* Q and dO have landed: their operands, once */
+#pragma unroll
+      for (int kk = 0; kk < D / MmaK; kk++)
+        ldmatrix_x4(q_frag[kk], a_operand<D>(Qw, 0, kk * MmaK)),
+            ldmatrix_x4(do_frag[kk], a_operand<D>(dOw, 0, kk * MmaK));
+    /* Only a tile with keys past the end, rows past the end, or crossing the warp's
+     * diagonal tests visibility. */
+    bool masked = j0 + Bc > nkv || iw + MmaM > nq || (causal && j0 + Bc - 1 > iw + offset);
+#pragma unroll
+    for (int n2 = 0; n2 < Bc / MmaK; n2++) { /* 16 keys: one k-step of dQ */
+      float s[2][4] = {}, dp[2][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < D / MmaK; kk++) {
+        unsigned b[4];
+        ldmatrix_x4(b, b_operand<D>(Kt, n2 * 16, kk * MmaK));
+        mma_m16n8k16(s[0], q_frag[kk], b, T()), mma_m16n8k16(s[1], q_frag[kk], b + 2, T());
+        ldmatrix_x4(b, b_operand<D>(Vt, n2 * 16, kk * MmaK));
+        mma_m16n8k16(dp[0], do_frag[kk], b, T()), mma_m16n8k16(dp[1], do_frag[kk], b + 2, T());
+      }
+      unsigned p_frag[4], ds_frag[4];
+#pragma unroll
+      for (int half = 0; half < 2; half++) { /* keys 0-7, then 8-15 of the k-step */
+        bool visible[4] = {true, true, true, true};
+        if (masked)
+#pragma unroll
+          for (int e = 0; e < 4; e++) {
+            int i = iw + g + 8 * (e / 2), j = j0 + n2 * 16 + half * MmaN + 2 * tq + e % 2;
+            visible[e] = i < nq && j < nkv && (!causal || j <= i + offset);
+          }
+        probabilities_and_ds<T>(s[half], dp[half], scale_log2, lse_e, delta_e, visible,
+                                p_frag + 2 * half, ds_frag + 2 * half);
+      }
+#pragma unroll
+      for (int c2 = 0; c2 < D / 16; c2++) {
+        unsigned b[4];
+        ldmatrix_x4_trans(b, b_operand_trans<D>(Kt, n2 * 16, c2 * 16));
+        mma_m16n8k16(dq_acc[0][2 * c2], ds_frag, b, T());
+        mma_m16n8k16(dq_acc[0][2 * c2 + 1], ds_frag, b + 2, T());
+      }
+    }
+    __syncthreads(); /* WAR: every warp is done with buffer `buf` before tile t + 2 fills it */
+  }
+  __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
+  const float dq_factor[2] = {scale, scale};
+  store_tile<D, 1>(dq_acc, dq_factor, dq + (bh * nq + iw) * D, nq - iw);
+}
+
+template <int D, int BC, typename T>
+static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const float *delta) {
+  int heads = p->batch * p->heads;
+  attn_require_shared_memory((const void *)flash_backward_dkdv_kernel<D, BC, T>,
+                             dkdv_bytes<T>(D, BC), "flash_backward_dkdv_kernel");
+  unsigned key_blocks = (unsigned)((p->seq_kv + BC - 1) / BC * heads);
+  flash_backward_dkdv_kernel<D, BC><<<key_blocks, threads_for(BC, MmaM), dkdv_bytes<T>(D, BC)>>>(
+      (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
+      (T *)t->dk, (T *)t->dv, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
+  CHECK_LAUNCH("flash_backward_dkdv_kernel");
+}
+
+template <int D, typename T = __half>
+static void launch_backward(const attn_problem *p, const attn_buffers *t) {
+  if (p->dtype == DTYPE_BF16 && !std::is_same_v<T, __nv_bfloat16>)
+    return launch_backward<D, __nv_bfloat16>(p, t);
+  int heads = p->batch * p->heads;
+  long rows = (long)heads * p->seq_q;
+  float *delta = (float *)t->workspace;
+  const int delta_threads = 256; /* a memory-bound pass: any full-warp count will do */
+  compute_delta_kernel<<<(unsigned)((rows + delta_threads - 1) / delta_threads), delta_threads>>>(
+      (const T *)t->o, (const T *)t->d_o, delta, rows, D);
+  CHECK_LAUNCH("compute_delta_kernel");
+  if (dkdv_bytes<T>(D, Bc_bwd) <= attn_shared_memory_limit())
+    launch_dkdv<D, Bc_bwd, T>(p, t, delta);
+  else
+    launch_dkdv<D, Bc_bwd_small, T>(p, t, delta);
+  size_t dq_bytes = tile_bytes<T>(D, Bc_dq, 2 * Br_dq);
+  attn_require_shared_memory((const void *)flash_backward_dq_kernel<D, T>, dq_bytes,
+                             "flash_backward_dq_kernel");
+  unsigned row_blocks = (unsigned)((p->seq_q + Br_dq - 1) / Br_dq * heads);
+  flash_backward_dq_kernel<D><<<row_blocks, threads_for(Br_dq, MmaM), dq_bytes>>>(
+      (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
+      (T *)t->dq, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
+  CHECK_LAUNCH("flash_backward_dq_kernel");
+}
+
+static void backward(const attn_problem *p, const attn_buffers *t) {
+  switch (p->head_dim) {
+    case 32: launch_backward<32>(p, t); break;
+    case 64: launch_backward<64>(p, t); break;
+    case 128: launch_backward<128>(p, t); break;
+  }
+}
+
+static const attn_stage stage = {
+    .name = "09_swizzle_pipeline",
+    .idea = "swizzled shared memory, K and V copies waited for separately",
+    .device = &attn_cuda_device,
+    .head_dims = {32, 64, 128},
+    .dtypes = DTYPE_BIT(DTYPE_FP16) | DTYPE_BIT(DTYPE_BF16),
+    .has_causal = 1,
+    .saves_lse = 1,
+    .forward = forward,
+    .backward_workspace = backward_workspace,
+    .backward = backward,
+};
+
+int main(int argc, char **argv) { return attention_main(&stage, argc, argv); }
