@@ -115,26 +115,35 @@ static constexpr size_t tile_bytes(int d, int bc, int rows) {
 
 /* Rows [0, rows) of a [*, D] tensor into a swizzled tile of ROWS rows, 16 bytes per copy,
  * without waiting: cp.async lets the copy of tile t + 1 run while the warps multiply tile t.
- * The rows past `rows` are zeroed, since they enter the products (0 times a stale NaN). */
-template <int D, int ROWS, typename T>
+ * The rows past `rows` are zeroed, since they enter the products (0 times a stale NaN).
+ * THREADS, the block's size, is known at compile time, so the loop unrolls and each thread
+ * computes its swizzled offset once: every pass moves THREADS / W rows further, a whole
+ * number of swizzle periods (8 rows), which adds to the offset without changing the
+ * permutation. (Dividing a runtime index by W and swizzling it on every copy cost about 30
+ * instructions a copy.) */
+template <int D, int ROWS, int THREADS, typename T>
 __device__ void load_tile(const T *src, int rows, T *dst) {
-  constexpr int W = D * sizeof(T) / 16; /* 16-byte pieces per row */
-  for (int e = threadIdx.x; e < ROWS * W; e += blockDim.x) {
-    int r = e / W;
-    if (r < rows)
-      __pipeline_memcpy_async(dst + swizzle<D, T>(r, e % W * (16 / sizeof(T))),
-                              src + e * 16 / sizeof(T), 16);
+  constexpr int Chunk = 16 / sizeof(T), W = D / Chunk, Step = THREADS / W; /* rows a pass */
+  static_assert(THREADS % W == 0 && Step % 8 == 0, "a pass moves whole swizzle periods");
+  const int tid = threadIdx.x, r = tid / W;
+  const T *from = src + tid * Chunk;
+  T *to = dst + swizzle<D, T>(r, tid % W * Chunk);
+#pragma unroll
+  for (int k = 0; k < (ROWS * W + THREADS - 1) / THREADS; k++) {
+    if ((ROWS * W) % THREADS != 0 && k * THREADS + tid >= ROWS * W) break;
+    if (r + k * Step < rows)
+      __pipeline_memcpy_async(to + k * Step * padded<T>(D), from + k * THREADS * Chunk, 16);
     else
-      *reinterpret_cast<float4 *>(dst + swizzle<D, T>(r, e % W * (16 / sizeof(T)))) = float4{};
+      *reinterpret_cast<float4 *>(to + k * Step * padded<T>(D)) = float4{};
   }
 }
 
 /* The whole block copies rows [j0, j0 + cols) of K and V into Ks, Vs: consecutive threads
- * take consecutive 16 bytes, so each warp reads 512 contiguous bytes. (blockDim.x, not Br:
- * the dK/dV kernel reuses this with more threads per block, and for Q and dO: ROWS.) */
-template <int D, int ROWS = Bc, typename T>
+ * take consecutive 16 bytes, so each warp reads 512 contiguous bytes. (The dK/dV kernel
+ * reuses this with more threads per block, and for Q and dO: ROWS.) */
+template <int D, int ROWS, int THREADS, typename T>
 __device__ void load_kv_tile(const T *K, const T *V, int cols, T *Ks, T *Vs) {
-  load_tile<D, ROWS>(K, cols, Ks), load_tile<D, ROWS>(V, cols, Vs);
+  load_tile<D, ROWS, THREADS>(K, cols, Ks), load_tile<D, ROWS, THREADS>(V, cols, Vs);
 }
 
 __device__ void mma_m16n8k16(float *c, const unsigned *a, const unsigned *b, __half) {
@@ -408,6 +417,7 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D) * MmaM), 2)
                          T *__restrict__ o, float *__restrict__ lse, int nq, int nkv, int heads,
                          float scale, int causal) {
   constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
+  constexpr int Threads = threads_for(Br, RowFrags * MmaM);
   extern __shared__ __align__(256) float4 smem[]; /* cp.async and ldmatrix move 16 bytes */
   T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + 2 * BC * padded<T>(D);
   T *Qs = Vs + 2 * BC * padded<T>(D); /* K and V double-buffered, then the Q tile */
@@ -430,7 +440,7 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D) * MmaM), 2)
   unsigned q_frag[q_in_registers(D) ? D / MmaK : 1][4];
 #pragma unroll
   for (int h = 0; h < LaneRows; h++) m[h] = -INFINITY, l[h] = 0.f;
-  load_tile<D, Br>(q + (bh * nq + i0) * D, min(Br, nq - i0), Qs);
+  load_tile<D, Br, Threads>(q + (bh * nq + i0) * D, min(Br, nq - i0), Qs);
   /* The row max is taken on the raw S, which is right for a positive scale only: a negative
    * scale is a positive one on -Q (exact), and a zero scale sees Q = 0. */
   float scale_log2 = scale == 0.f ? Log2e : fabsf(scale) * Log2e;
@@ -451,15 +461,16 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D) * MmaM), 2)
    * P V(t). (Q's copy joins K(0)'s group.) -DATTN_SPLIT_WAITS=0 copies and waits for K and V
    * together at the top of each tile, as 08 does (the A/B table of the README). */
   constexpr bool split = ATTN_SPLIT_WAITS;
-  if (kv_end > 0) load_tile<D, BC>(K, min(BC, nkv), Ks);
+  if (kv_end > 0) load_tile<D, BC, Threads>(K, min(BC, nkv), Ks);
   __pipeline_commit();
-  if (kv_end > 0) load_tile<D, BC>(V, min(BC, nkv), Vs);
+  if (kv_end > 0) load_tile<D, BC, Threads>(V, min(BC, nkv), Vs);
   __pipeline_commit();
   for (int j0 = 0, buf = 0; j0 < kv_end; j0 += BC, buf ^= 1) {
     int cols = min(BC, nkv - j0), next = j0 + BC;
     T *Kn = Ks + (buf ^ 1) * BC * padded<T>(D), *Vn = Vs + (buf ^ 1) * BC * padded<T>(D);
-    if (next < kv_end) load_tile<D, BC>(K + (long)next * D, min(BC, nkv - next), Kn);
-    if (!split && next < kv_end) load_tile<D, BC>(V + (long)next * D, min(BC, nkv - next), Vn);
+    if (next < kv_end) load_tile<D, BC, Threads>(K + (long)next * D, min(BC, nkv - next), Kn);
+    if (!split && next < kv_end)
+      load_tile<D, BC, Threads>(V + (long)next * D, min(BC, nkv - next), Vn);
     __pipeline_commit();
     /* K(t) has landed (and, not split, V(t)); V(t) and K(t + 1) may still be in flight */
     __pipeline_wait_prior(split ? 2 : 1);
@@ -476,7 +487,8 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D) * MmaM), 2)
     compute_qk_scores_and_max<D, BC>(Qs + (row0 - i0) * padded<T>(D), q_frag, Kt, cols, diagonal,
                                      i + offset + 1 - j0, s, m_blk);
     merge_block_stats<D>(m_blk, scale_log2, m, l, acc);
-    if (split && next < kv_end) load_tile<D, BC>(V + (long)next * D, min(BC, nkv - next), Vn);
+    if (split && next < kv_end)
+      load_tile<D, BC, Threads>(V + (long)next * D, min(BC, nkv - next), Vn);
     __pipeline_commit();
     __pipeline_wait_prior(2); /* V(t) has landed; K(t + 1) and V(t + 1) may still be in flight */
     __syncthreads();          /* RAW: V(t) is in shared memory; WAR: every warp is done with
@@ -621,7 +633,7 @@ __global__ void __launch_bounds__(threads_for(BC, MmaM), dkdv_blocks_per_sm(D))
                                const float *__restrict__ lse, const float *__restrict__ delta,
                                T *__restrict__ dk, T *__restrict__ dv, int nq, int nkv, int heads,
                                float scale, int causal) {
-  constexpr int ld = padded<T>(D), Br_bwd = rows_bwd(BC);
+  constexpr int ld = padded<T>(D), Br_bwd = rows_bwd(BC), Threads = threads_for(BC, MmaM);
   extern __shared__ __align__(256) float4 smem_bwd[];
   T *Ks = reinterpret_cast<T *>(smem_bwd), *Vs = Ks + BC * ld;
   T *Qs = Vs + BC * ld, *dOs = Qs + 2 * Br_bwd * ld; /* Q and dO double-buffered */
@@ -633,15 +645,16 @@ __global__ void __launch_bounds__(threads_for(BC, MmaM), dkdv_blocks_per_sm(D))
   int offset = nkv - nq;
   const T *Kw = Ks + (jw - j0) * ld, *Vw = Vs + (jw - j0) * ld; /* the warp's 16 keys */
   const T *Q = q + bh * nq * D, *dO = d_o + bh * nq * D;
-  load_kv_tile<D, BC>(k + (bh * nkv + j0) * D, v + (bh * nkv + j0) * D, min(BC, nkv - j0), Ks, Vs);
+  load_kv_tile<D, BC, Threads>(k + (bh * nkv + j0) * D, v + (bh * nkv + j0) * D, min(BC, nkv - j0),
+                               Ks, Vs);
   float dk_acc[1][D / MmaN][4] = {}, dv_acc[1][D / MmaN][4] = {};
   const float scale_log2 = scale * Log2e;
   /* Under the causal mask the first query that sees key j0 is j0 - offset: the query tiles
    * before it are skipped. */
   int i_begin = causal ? max(0, j0 - offset) : 0;
   if (i_begin < nq) {
-    load_kv_tile<D, Br_bwd>(Q + (long)i_begin * D, dO + (long)i_begin * D,
-                            min(Br_bwd, nq - i_begin), Qs, dOs);
+    load_kv_tile<D, Br_bwd, Threads>(Q + (long)i_begin * D, dO + (long)i_begin * D,
+                                     min(Br_bwd, nq - i_begin), Qs, dOs);
     load_row_stats(lse + bh * nq + i_begin, delta + bh * nq + i_begin, min(Br_bwd, nq - i_begin),
                    Br_bwd, lse_s, delta_s);
   }
@@ -649,8 +662,8 @@ __global__ void __launch_bounds__(threads_for(BC, MmaM), dkdv_blocks_per_sm(D))
   for (int i0 = i_begin, buf = 0; i0 < nq; i0 += Br_bwd, buf ^= 1) {
     int next = i0 + Br_bwd, rows = min(Br_bwd, nq - next), nb = (buf ^ 1) * Br_bwd;
     if (next < nq) {
-      load_kv_tile<D, Br_bwd>(Q + (long)next * D, dO + (long)next * D, rows, Qs + nb * ld,
-                              dOs + nb * ld);
+      load_kv_tile<D, Br_bwd, Threads>(Q + (long)next * D, dO + (long)next * D, rows, Qs + nb * ld,
+                                       dOs + nb * ld);
       load_row_stats(lse + bh * nq + next, delta + bh * nq + next, rows, Br_bwd, lse_s + nb,
                      delta_s + nb);
     }
@@ -721,7 +734,7 @@ __global__ void __launch_bounds__(threads_for(Br_dq, MmaM), dq_blocks_per_sm(D))
                              const float *__restrict__ lse, const float *__restrict__ delta,
                              T *__restrict__ dq, int nq, int nkv, int heads, float scale,
                              int causal) {
-  constexpr int ld = padded<T>(D), Bc = Bc_dq;
+  constexpr int ld = padded<T>(D), Bc = Bc_dq, Threads = threads_for(Br_dq, MmaM);
   extern __shared__ __align__(256) float4 smem[];
   T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + 2 * Bc * ld, *Qs = Vs + 2 * Bc * ld;
   T *dOs = Qs + Br_dq * ld;
@@ -737,8 +750,8 @@ __global__ void __launch_bounds__(threads_for(Br_dq, MmaM), dq_blocks_per_sm(D))
    * meet every key tile, and reloading them would double the ldmatrix reads of S and dP. */
   unsigned q_frag[D / MmaK][4], do_frag[D / MmaK][4];
   const float scale_log2 = scale * Log2e;
-  load_kv_tile<D, Br_dq>(q + (bh * nq + i0) * D, d_o + (bh * nq + i0) * D, min(Br_dq, nq - i0), Qs,
-                         dOs);
+  load_kv_tile<D, Br_dq, Threads>(q + (bh * nq + i0) * D, d_o + (bh * nq + i0) * D,
+                                  min(Br_dq, nq - i0), Qs, dOs);
   /* LSE (log2 units) and D of the lane's two rows, in registers; rows past the end get 0. */
   float lse_e[4], delta_e[4];
 #pragma unroll
@@ -749,13 +762,13 @@ __global__ void __launch_bounds__(threads_for(Br_dq, MmaM), dq_blocks_per_sm(D))
   }
   int offset = nkv - nq, last_row = min(i0 + Br_dq, nq) - 1;
   int kv_end = causal ? max(0, min(nkv, last_row + offset + 1)) : nkv;
-  if (kv_end > 0) load_kv_tile<D, Bc>(K, V, min(Bc, nkv), Ks, Vs);
+  if (kv_end > 0) load_kv_tile<D, Bc, Threads>(K, V, min(Bc, nkv), Ks, Vs);
   __pipeline_commit();
   for (int j0 = 0, buf = 0; j0 < kv_end; j0 += Bc, buf ^= 1) {
     int next = j0 + Bc;
     if (next < kv_end)
-      load_kv_tile<D, Bc>(K + (long)next * D, V + (long)next * D, min(Bc, nkv - next),
-                          Ks + (buf ^ 1) * Bc * ld, Vs + (buf ^ 1) * Bc * ld);
+      load_kv_tile<D, Bc, Threads>(K + (long)next * D, V + (long)next * D, min(Bc, nkv - next),
+                                   Ks + (buf ^ 1) * Bc * ld, Vs + (buf ^ 1) * Bc * ld);
     __pipeline_commit();
     __pipeline_wait_prior(1);
     __syncthreads(); /* RAW: the whole tile (the first time, Q and dO too) is in shared memory */
