@@ -565,16 +565,18 @@ __host__ __device__ constexpr int dq_blocks_per_sm(int d) {
   return ATTN_DQ_BLOCKS ? ATTN_DQ_BLOCKS : d <= 64 ? 4 : 3;
 }
 
+/* D of every row, then the fp32 dQ that the dK/dV kernel adds into by atomics. */
 static size_t backward_workspace(const attn_problem *p) {
-  return sizeof(float) * attn_lse_elems(p);
+  return sizeof(float) * (attn_lse_elems(p) + (size_t)attn_lse_elems(p) * p->head_dim);
 }
 
-/* Shared memory of the dK/dV kernel: K and V (bc x d), double-buffered Q and dO tiles and
- * LSE and D of their rows. P^T and dS^T never leave the registers. */
+/* Shared memory of the dK/dV kernel: K and V (bc x d), double-buffered Q and dO tiles, LSE
+ * and D of their rows, and dS^T of one query tile (bc x rows_bwd(bc)), from which the block
+ * multiplies dQ += dS K. P^T never leaves the registers. */
 template <typename T>
 static constexpr size_t dkdv_bytes(int d, int bc) {
   return sizeof(T) * (2 * (size_t)bc + 4 * rows_bwd(bc)) * padded<T>(d) +
-         sizeof(float) * 4 * rows_bwd(bc);
+         sizeof(float) * 4 * rows_bwd(bc) + sizeof(T) * bc * padded<T>(rows_bwd(bc));
 }
 static_assert(tile_bytes<__half>(128, Bc_small, Br) <= 99 * 1024 &&
                   tile_bytes<__half>(128, Bc_dq, 2 * Br_dq) <= 99 * 1024 &&
@@ -592,13 +594,17 @@ __global__ void compute_delta_kernel(const T *o, const T *d_o, float *delta, lon
   delta[r] = sum;
 }
 
-/* Copies `rows` rows of LSE (times log2 e, for exp2) and D into shared memory; the rows past
- * them up to `tile_rows` get 0 (they are masked anyway). */
+/* Copies `rows` rows of LSE and D into shared memory, by cp.async like the Q and dO tiles
+ * (a plain load would stall its warp on global memory's latency every tile); the rows past
+ * them up to `tile_rows` get 0 (they are masked anyway). LSE becomes log2 units where read. */
 __device__ void load_row_stats(const float *lse, const float *delta, int rows, int tile_rows,
                                float *lse_s, float *delta_s) {
   for (int e = threadIdx.x; e < tile_rows; e += blockDim.x) {
-    lse_s[e] = e < rows ? lse[e] * Log2e : 0.f;
-    delta_s[e] = e < rows ? delta[e] : 0.f;
+    if (e < rows)
+      __pipeline_memcpy_async(lse_s + e, lse + e, 4),
+          __pipeline_memcpy_async(delta_s + e, delta + e, 4);
+    else
+      lse_s[e] = 0.f, delta_s[e] = 0.f;
   }
 }
 
@@ -622,22 +628,56 @@ __device__ void probabilities_and_ds(const float *s, const float *dp, float scal
   ds_out[0] = pack2(ds[0], ds[1], T()), ds_out[1] = pack2(ds[2], ds[3], T());
 }
 
+/* dQ += dS K for one query tile of the dK/dV kernel, FlashAttention-2's way: the block's
+ * warps share the product of the tile's dS (Br_bwd queries x BC keys, read transposed from
+ * dS^T in shared memory) and its K tile; warp w takes 16 queries and half of the D columns,
+ * and adds its 16 x D/2 into the fp32 dQ by atomics, rows past `rows` left out. Blocks of
+ * other keys add into the same rows in no fixed order, so dQ's last bits change from run to
+ * run; ATTN_DETERMINISTIC=1 runs the dQ kernel instead. */
+template <int D, int BC, typename T>
+__device__ void accumulate_dq(const T *dSt, const T *Ks, float *dq_accum, int rows) {
+  constexpr int Br_bwd = rows_bwd(BC), QFrags = Br_bwd / MmaM, Cols = D / 2;
+  static_assert(BC / MmaM == 2 * QFrags, "the warps cover the tile's queries twice");
+  int w = threadIdx.x / 32, qf = w % QFrags, c0 = w / QFrags * Cols;
+  float acc[Cols / MmaN][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < BC / MmaK; kk++) {
+    unsigned a[4]; /* dS (queries x keys) is dS^T read with .trans: b_operand's lane rows */
+    ldmatrix_x4_trans(a, b_operand<Br_bwd>(dSt, kk * MmaK, qf * MmaM));
+#pragma unroll
+    for (int n2 = 0; n2 < Cols / 16; n2++) {
+      unsigned b[4];
+      ldmatrix_x4_trans(b, b_operand_trans<D>(Ks, kk * MmaK, c0 + n2 * 16));
+      mma_m16n8k16(acc[2 * n2], a, b, T()), mma_m16n8k16(acc[2 * n2 + 1], a, b + 2, T());
+    }
+  }
+  int g = threadIdx.x % 32 / Quad, tq = threadIdx.x % Quad;
+#pragma unroll
+  for (int n = 0; n < Cols / MmaN; n++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      int r = qf * MmaM + g + 8 * (e / 2);
+      if (r < rows) atomicAdd(dq_accum + (long)r * D + c0 + n * MmaN + 2 * tq + e % 2, acc[n][e]);
+    }
+}
+
 /* A warp per 16 keys j of the block's BC keys (Bc_bwd, or Bc_bwd_small where shared memory
  * is smaller), keeping their dK, dV in accumulators while it walks the query tiles 16 queries
  * at a time: S^T = K Q^T and dP^T = V dO^T (keys as rows), P^T and dS^T made in registers,
  * then dV += P^T dO and dK += dS^T Q with those 16 queries as the k-step. */
-template <int D, int BC, typename T>
+template <int D, int BC, bool AtomicDq, typename T>
 __global__ void __launch_bounds__(threads_for(BC, MmaM), dkdv_blocks_per_sm(D))
     flash_backward_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ k,
                                const T *__restrict__ v, const T *__restrict__ d_o,
                                const float *__restrict__ lse, const float *__restrict__ delta,
-                               T *__restrict__ dk, T *__restrict__ dv, int nq, int nkv, int heads,
-                               float scale, int causal) {
+                               T *__restrict__ dk, T *__restrict__ dv, float *__restrict__ dq_accum,
+                               int nq, int nkv, int heads, float scale, int causal) {
   constexpr int ld = padded<T>(D), Br_bwd = rows_bwd(BC), Threads = threads_for(BC, MmaM);
   extern __shared__ __align__(256) float4 smem_bwd[];
   T *Ks = reinterpret_cast<T *>(smem_bwd), *Vs = Ks + BC * ld;
   T *Qs = Vs + BC * ld, *dOs = Qs + 2 * Br_bwd * ld; /* Q and dO double-buffered */
   float *lse_s = reinterpret_cast<float *>(dOs + 2 * Br_bwd * ld), *delta_s = lse_s + 2 * Br_bwd;
+  T *dSt = reinterpret_cast<T *>(delta_s + 2 * Br_bwd); /* dS^T of the tile, for dQ */
   int key_blocks = (nkv + BC - 1) / BC;
   long bh = blockIdx.x / key_blocks;
   int g = threadIdx.x % 32 / Quad, tq = threadIdx.x % Quad;
@@ -693,7 +733,8 @@ __global__ void __launch_bounds__(threads_for(BC, MmaM), dkdv_blocks_per_sm(D))
 #pragma unroll
       for (int half = 0; half < 2; half++) { /* queries 0-7, then 8-15 of the k-step */
         int col = n2 * 16 + half * MmaN + 2 * tq;
-        float lse_e[4] = {lse_t[col], lse_t[col + 1], lse_t[col], lse_t[col + 1]};
+        float lo = lse_t[col] * Log2e, hi = lse_t[col + 1] * Log2e;
+        float lse_e[4] = {lo, hi, lo, hi};
         float delta_e[4] = {delta_t[col], delta_t[col + 1], delta_t[col], delta_t[col + 1]};
         bool visible[4] = {true, true, true, true};
         if (masked)
@@ -704,6 +745,11 @@ __global__ void __launch_bounds__(threads_for(BC, MmaM), dkdv_blocks_per_sm(D))
           }
         probabilities_and_ds<T>(s[half], dp[half], scale_log2, lse_e, delta_e, visible,
                                 p_frag + 2 * half, ds_frag + 2 * half);
+        if (AtomicDq) /* rows g and g + 8 of the warp's keys, 2 queries a register */
+#pragma unroll
+          for (int h = 0; h < 2; h++)
+            *reinterpret_cast<unsigned *>(dSt + swizzle<Br_bwd, T>(jw - j0 + g + 8 * h, col)) =
+                ds_frag[2 * half + h];
       }
 #pragma unroll
       for (int c2 = 0; c2 < D / 16; c2++) {
@@ -716,7 +762,12 @@ __global__ void __launch_bounds__(threads_for(BC, MmaM), dkdv_blocks_per_sm(D))
         mma_m16n8k16(dk_acc[0][2 * c2 + 1], ds_frag, b + 2, T());
       }
     }
-    __syncthreads(); /* WAR: every warp is done with buffer `buf` before tile t + 2 fills it */
+    if (AtomicDq) {
+      __syncthreads(); /* RAW: every warp's keys of dS^T are in shared memory */
+      accumulate_dq<D, BC>(dSt, Ks, dq_accum + (bh * nq + i0) * D, nq - i0);
+    }
+    __syncthreads(); /* WAR: every warp is done with buffer `buf` before tile t + 2 fills it
+                      * (and, with AtomicDq, with dS^T before the next tile rewrites it) */
   }
   __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
   const float dk_factor[2] = {scale, scale}, dv_factor[2] = {1.f, 1.f};
@@ -820,15 +871,24 @@ __global__ void __launch_bounds__(threads_for(Br_dq, MmaM), dq_blocks_per_sm(D))
   store_tile<D, 1>(dq_acc, dq_factor, dq + (bh * nq + iw) * D, nq - iw);
 }
 
-template <int D, int BC, typename T>
-static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const float *delta) {
+/* dQ = scale times the fp32 sums the dK/dV kernel added up, in the dtype. */
+template <typename T>
+__global__ void convert_dq_kernel(const float *dq_accum, T *dq, long elems, float scale) {
+  long e = blockIdx.x * (long)blockDim.x + threadIdx.x;
+  if (e < elems) dq[e] = T(scale * dq_accum[e]);
+}
+
+template <int D, int BC, bool AtomicDq, typename T>
+static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const float *delta,
+                        float *dq_accum) {
   int heads = p->batch * p->heads;
-  attn_require_shared_memory((const void *)flash_backward_dkdv_kernel<D, BC, T>,
+  attn_require_shared_memory((const void *)flash_backward_dkdv_kernel<D, BC, AtomicDq, T>,
                              dkdv_bytes<T>(D, BC), "flash_backward_dkdv_kernel");
   unsigned key_blocks = (unsigned)((p->seq_kv + BC - 1) / BC * heads);
-  flash_backward_dkdv_kernel<D, BC><<<key_blocks, threads_for(BC, MmaM), dkdv_bytes<T>(D, BC)>>>(
-      (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
-      (T *)t->dk, (T *)t->dv, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
+  flash_backward_dkdv_kernel<D, BC, AtomicDq>
+      <<<key_blocks, threads_for(BC, MmaM), dkdv_bytes<T>(D, BC)>>>(
+          (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
+          (T *)t->dk, (T *)t->dv, dq_accum, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_backward_dkdv_kernel");
 }
 
@@ -843,10 +903,24 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   compute_delta_kernel<<<(unsigned)((rows + delta_threads - 1) / delta_threads), delta_threads>>>(
       (const T *)t->o, (const T *)t->d_o, delta, rows, D);
   CHECK_LAUNCH("compute_delta_kernel");
-  if (dkdv_bytes<T>(D, Bc_bwd) <= attn_shared_memory_limit())
-    launch_dkdv<D, Bc_bwd, T>(p, t, delta);
-  else
-    launch_dkdv<D, Bc_bwd_small, T>(p, t, delta);
+  /* dQ by atomics from the dK/dV kernel (five products a tile), or, with
+   * ATTN_DETERMINISTIC=1, by the dQ kernel (seven, every bit the same run after run). */
+  bool atomic_dq = !attn_deterministic();
+  float *dq_accum = delta + rows;
+  long dq_elems = rows * D;
+  if (atomic_dq) CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, sizeof(float) * dq_elems));
+  bool big = dkdv_bytes<T>(D, Bc_bwd) <= attn_shared_memory_limit();
+  if (atomic_dq && big) launch_dkdv<D, Bc_bwd, true, T>(p, t, delta, dq_accum);
+  if (atomic_dq && !big) launch_dkdv<D, Bc_bwd_small, true, T>(p, t, delta, dq_accum);
+  if (!atomic_dq && big) launch_dkdv<D, Bc_bwd, false, T>(p, t, delta, dq_accum);
+  if (!atomic_dq && !big) launch_dkdv<D, Bc_bwd_small, false, T>(p, t, delta, dq_accum);
+  if (atomic_dq) {
+    const int convert_threads = 256; /* a memory-bound pass: any full-warp count will do */
+    convert_dq_kernel<<<(unsigned)((dq_elems + convert_threads - 1) / convert_threads),
+                        convert_threads>>>(dq_accum, (T *)t->dq, dq_elems, p->scale);
+    CHECK_LAUNCH("convert_dq_kernel");
+    return;
+  }
   size_t dq_bytes = tile_bytes<T>(D, Bc_dq, 2 * Br_dq);
   attn_require_shared_memory((const void *)flash_backward_dq_kernel<D, T>, dq_bytes,
                              "flash_backward_dq_kernel");

@@ -6,6 +6,7 @@
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "device.h"
 #include "gpu.h"
@@ -39,6 +40,14 @@ size_t attn_shared_memory_limit(void) {
     if (v < limit) limit = (size_t)v;
   }
   return limit;
+}
+
+int attn_deterministic(void) {
+  const char *text = getenv("ATTN_DETERMINISTIC");
+  if (!text || !*text || strcmp(text, "0") == 0) return 0;
+  if (strcmp(text, "1") != 0)
+    attn_fail(EXIT_BAD_USAGE, "ATTN_DETERMINISTIC must be 0 or 1, got '%s'", text);
+  return 1;
 }
 
 void attn_require_shared_memory(const void *kernel, size_t bytes, const char *kernel_name) {

@@ -21,6 +21,11 @@ void attn_cuda_check(cudaError_t err, const char *what, const char *file, int li
  * tile for a smaller GPU can be exercised on a larger one. */
 size_t attn_shared_memory_limit(void);
 
+/* Whether the environment variable ATTN_DETERMINISTIC is 1: a stage whose backward adds dQ
+ * by fp32 atomics (in an order that changes from run to run, and so do dQ's last bits) then
+ * takes its deterministic path. Any other value but unset or 0 is a usage error. */
+int attn_deterministic(void);
+
 /* Allows `kernel` `bytes` of dynamic shared memory, or exits 2 naming the limit when the
  * device cannot give that much to one block. */
 void attn_require_shared_memory(const void *kernel, size_t bytes, const char *kernel_name);
