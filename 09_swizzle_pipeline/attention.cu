@@ -50,7 +50,7 @@ constexpr int Quad = 4; /* lanes that share a row */
 __host__ __device__ constexpr int row_frags(int d) { return d > 64 ? 2 : ATTN_ROW_FRAGS; }
 /* Where Q's A operands live: at d <= 64 in registers, loaded once (16 a lane); at d = 128
  * they would take 64 registers beside S and O, so they are reloaded from shared memory. */
-__host__ __device__ constexpr bool q_in_registers(int d) { return d <= 64; }
+__host__ __device__ constexpr bool q_in_registers(int d) { return row_frags(d) == 1; }
 __host__ __device__ constexpr int threads_for(int rows, int warp_rows) {
   return rows / warp_rows * 32;
 }
@@ -541,6 +541,10 @@ constexpr int Bc_bwd = 128;
 /* Keys per dK/dV block where the device cannot give a block dkdv_bytes(d, Bc_bwd) (137 KiB
  * at d = 128; sm_86 and sm_89 allow 99 KiB, sm_80 163 KiB): half the keys and query rows. */
 constexpr int Bc_bwd_small = 64;
+#ifndef ATTN_BWD_QSTEPS
+#define ATTN_BWD_QSTEPS 1
+#endif
+constexpr int QSteps = ATTN_BWD_QSTEPS;
 /* Query rows per tile of the dK/dV kernel: half its keys (64 rows, like Bc in the forward). */
 __host__ __device__ constexpr int rows_bwd(int bc) { return bc / 2; }
 /* The dQ kernel: 4 warps of 16 query rows each, walking tiles of 32 keys, half the forward's,
@@ -553,7 +557,10 @@ static_assert(rows_bwd(Bc_bwd_small) % MmaK == 0 && Bc_dq % MmaK == 0, "whole k-
  * d <= 64, 2 (128 registers a thread; measured on an H100, +12 to +16% on the backward
  * against the compiler's 134 registers and one block); at d = 128 dK and dV alone take 128
  * registers, so 1. */
-__host__ __device__ constexpr int dkdv_blocks_per_sm(int d) { return d <= 64 ? 2 : 1; }
+#ifndef ATTN_DKDV_BLOCKS
+#define ATTN_DKDV_BLOCKS 2
+#endif
+__host__ __device__ constexpr int dkdv_blocks_per_sm(int d) { return d <= 64 ? ATTN_DKDV_BLOCKS : 1; }
 /* Blocks of the dQ kernel that must fit an SM at once. Its Q and dO operands stay in
  * registers, where the compiler would take 132 registers at d = 64 and 178 at d = 128 (3 and
  * 2 blocks); capped, 4 blocks at d <= 64 (128 registers, no spill) and 3 at d = 128 (168, an
@@ -717,18 +724,27 @@ __global__ void __launch_bounds__(threads_for(BC, MmaM), dkdv_blocks_per_sm(D))
      * key that some of its rows must not see (it crosses the diagonal) tests visibility. */
     bool masked = i0 + Br_bwd > nq || jw + MmaM > nkv || (causal && jw + MmaM - 1 > i0 + offset);
 #pragma unroll
-    for (int n2 = 0; n2 < Br_bwd / MmaK; n2++) { /* 16 queries: one k-step of dV and dK */
-      float s[2][4] = {}, dp[2][4] = {};
+    for (int n4 = 0; n4 < Br_bwd / MmaK; n4 += QSteps) { /* QSteps k-steps of dV and dK */
+      float s[QSteps][2][4] = {}, dp[QSteps][2][4] = {};
 #pragma unroll
       for (int kk = 0; kk < D / MmaK; kk++) {
         unsigned a[4], b[4];
         ldmatrix_x4(a, a_operand<D>(Kw, 0, kk * MmaK));
-        ldmatrix_x4(b, b_operand<D>(Qt, n2 * 16, kk * MmaK));
-        mma_m16n8k16(s[0], a, b, T()), mma_m16n8k16(s[1], a, b + 2, T());
+#pragma unroll
+        for (int q = 0; q < QSteps; q++) {
+          ldmatrix_x4(b, b_operand<D>(Qt, (n4 + q) * 16, kk * MmaK));
+          mma_m16n8k16(s[q][0], a, b, T()), mma_m16n8k16(s[q][1], a, b + 2, T());
+        }
         ldmatrix_x4(a, a_operand<D>(Vw, 0, kk * MmaK));
-        ldmatrix_x4(b, b_operand<D>(dOt, n2 * 16, kk * MmaK));
-        mma_m16n8k16(dp[0], a, b, T()), mma_m16n8k16(dp[1], a, b + 2, T());
+#pragma unroll
+        for (int q = 0; q < QSteps; q++) {
+          ldmatrix_x4(b, b_operand<D>(dOt, (n4 + q) * 16, kk * MmaK));
+          mma_m16n8k16(dp[q][0], a, b, T()), mma_m16n8k16(dp[q][1], a, b + 2, T());
+        }
       }
+#pragma unroll
+      for (int q = 0; q < QSteps; q++) {
+      const int n2 = n4 + q;
       unsigned p_frag[4], ds_frag[4];
 #pragma unroll
       for (int half = 0; half < 2; half++) { /* queries 0-7, then 8-15 of the k-step */
@@ -743,7 +759,7 @@ __global__ void __launch_bounds__(threads_for(BC, MmaM), dkdv_blocks_per_sm(D))
             int i = i0 + col + e % 2, j = jw + g + 8 * (e / 2);
             visible[e] = i < nq && j < nkv && (!causal || j <= i + offset);
           }
-        probabilities_and_ds<T>(s[half], dp[half], scale_log2, lse_e, delta_e, visible,
+        probabilities_and_ds<T>(s[q][half], dp[q][half], scale_log2, lse_e, delta_e, visible,
                                 p_frag + 2 * half, ds_frag + 2 * half);
         if (AtomicDq) /* rows g and g + 8 of the warp's keys, 2 queries a register */
 #pragma unroll
@@ -760,6 +776,7 @@ __global__ void __launch_bounds__(threads_for(BC, MmaM), dkdv_blocks_per_sm(D))
         ldmatrix_x4_trans(b, b_operand_trans<D>(Qt, n2 * 16, c2 * 16));
         mma_m16n8k16(dk_acc[0][2 * c2], ds_frag, b, T());
         mma_m16n8k16(dk_acc[0][2 * c2 + 1], ds_frag, b + 2, T());
+      }
       }
     }
     if (AtomicDq) {
