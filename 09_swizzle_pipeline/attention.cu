@@ -42,8 +42,9 @@ constexpr int Quad = 4; /* lanes that share a row */
  * every K and V operand a warp loads from shared memory then feeds two mma.sync instead of
  * one. At d <= 64, one, which leaves registers for two blocks of 8 warps per SM. Measured on
  * an H100 (fp16, N = 4096 and 16384, forward TFLOP/s, scripts/variants.sh): at d = 128, 32
- * rows a warp 251-267 against 16 rows 202-213; at d = 64, 16 rows (Q in registers) 216-231
- * against 32 rows 209-222. */
+ * rows a warp 251-267 against 16 rows 202-213 (08's kernels); at d = 64, in one command with
+ * this stage's kernels, 16 rows (Q in registers) 262-281, 32 rows 259-276, and with 128
+ * keys a tile (FlashAttention-2's shape) 259-279 and 264-280: the same within noise. */
 #ifndef ATTN_ROW_FRAGS
 #define ATTN_ROW_FRAGS 1 /* at d <= 64; -DATTN_ROW_FRAGS=2 for the alternative */
 #endif
@@ -541,10 +542,18 @@ constexpr int Bc_bwd = 128;
 /* Keys per dK/dV block where the device cannot give a block dkdv_bytes(d, Bc_bwd) (137 KiB
  * at d = 128; sm_86 and sm_89 allow 99 KiB, sm_80 163 KiB): half the keys and query rows. */
 constexpr int Bc_bwd_small = 64;
+/* Query steps (16 queries each) whose S^T and dP^T a dK/dV warp computes per load of its
+ * K and V operands: each operand then feeds QSteps products instead of one. Measured on an
+ * H100 (fp16, N = 4096 and 16384, causal and not, one command): at d = 128, 4 steps
+ * 164-204 TFLOP/s backward against 146-180 for 1 step and 157-196 for 2; at d = 64, 2 steps
+ * 160-196 against 159-191 for 1 and 151-183 for 4 (which spills under the 2-block cap, and
+ * runs at 150-179 with one block an SM). -DATTN_BWD_QSTEPS=N sets N at every d. */
 #ifndef ATTN_BWD_QSTEPS
-#define ATTN_BWD_QSTEPS 1
+#define ATTN_BWD_QSTEPS 0
 #endif
-constexpr int QSteps = ATTN_BWD_QSTEPS;
+__host__ __device__ constexpr int query_steps(int d) {
+  return ATTN_BWD_QSTEPS ? ATTN_BWD_QSTEPS : d > 64 ? 4 : 2;
+}
 /* Query rows per tile of the dK/dV kernel: half its keys (64 rows, like Bc in the forward). */
 __host__ __device__ constexpr int rows_bwd(int bc) { return bc / 2; }
 /* The dQ kernel: 4 warps of 16 query rows each, walking tiles of 32 keys, half the forward's,
@@ -557,10 +566,7 @@ static_assert(rows_bwd(Bc_bwd_small) % MmaK == 0 && Bc_dq % MmaK == 0, "whole k-
  * d <= 64, 2 (128 registers a thread; measured on an H100, +12 to +16% on the backward
  * against the compiler's 134 registers and one block); at d = 128 dK and dV alone take 128
  * registers, so 1. */
-#ifndef ATTN_DKDV_BLOCKS
-#define ATTN_DKDV_BLOCKS 2
-#endif
-__host__ __device__ constexpr int dkdv_blocks_per_sm(int d) { return d <= 64 ? ATTN_DKDV_BLOCKS : 1; }
+__host__ __device__ constexpr int dkdv_blocks_per_sm(int d) { return d <= 64 ? 2 : 1; }
 /* Blocks of the dQ kernel that must fit an SM at once. Its Q and dO operands stay in
  * registers, where the compiler would take 132 registers at d = 64 and 178 at d = 128 (3 and
  * 2 blocks); capped, 4 blocks at d <= 64 (128 registers, no spill) and 3 at d = 128 (168, an
@@ -680,6 +686,8 @@ __global__ void __launch_bounds__(threads_for(BC, MmaM), dkdv_blocks_per_sm(D))
                                T *__restrict__ dk, T *__restrict__ dv, float *__restrict__ dq_accum,
                                int nq, int nkv, int heads, float scale, int causal) {
   constexpr int ld = padded<T>(D), Br_bwd = rows_bwd(BC), Threads = threads_for(BC, MmaM);
+  constexpr int QSteps = query_steps(D) < Br_bwd / MmaK ? query_steps(D) : Br_bwd / MmaK;
+  static_assert(Br_bwd / MmaK % QSteps == 0, "a query tile is whole groups of query steps");
   extern __shared__ __align__(256) float4 smem_bwd[];
   T *Ks = reinterpret_cast<T *>(smem_bwd), *Vs = Ks + BC * ld;
   T *Qs = Vs + BC * ld, *dOs = Qs + 2 * Br_bwd * ld; /* Q and dO double-buffered */
@@ -723,8 +731,9 @@ __global__ void __launch_bounds__(threads_for(BC, MmaM), dkdv_blocks_per_sm(D))
     /* Only a tile with rows past the end of the queries, keys past the end of the keys, or a
      * key that some of its rows must not see (it crosses the diagonal) tests visibility. */
     bool masked = i0 + Br_bwd > nq || jw + MmaM > nkv || (causal && jw + MmaM - 1 > i0 + offset);
+    /* QSteps query steps of 16 share each load of the warp's K and V operands */
 #pragma unroll
-    for (int n4 = 0; n4 < Br_bwd / MmaK; n4 += QSteps) { /* QSteps k-steps of dV and dK */
+    for (int q0 = 0; q0 < Br_bwd / MmaK; q0 += QSteps) {
       float s[QSteps][2][4] = {}, dp[QSteps][2][4] = {};
 #pragma unroll
       for (int kk = 0; kk < D / MmaK; kk++) {
@@ -732,51 +741,51 @@ __global__ void __launch_bounds__(threads_for(BC, MmaM), dkdv_blocks_per_sm(D))
         ldmatrix_x4(a, a_operand<D>(Kw, 0, kk * MmaK));
 #pragma unroll
         for (int q = 0; q < QSteps; q++) {
-          ldmatrix_x4(b, b_operand<D>(Qt, (n4 + q) * 16, kk * MmaK));
+          ldmatrix_x4(b, b_operand<D>(Qt, (q0 + q) * 16, kk * MmaK));
           mma_m16n8k16(s[q][0], a, b, T()), mma_m16n8k16(s[q][1], a, b + 2, T());
         }
         ldmatrix_x4(a, a_operand<D>(Vw, 0, kk * MmaK));
 #pragma unroll
         for (int q = 0; q < QSteps; q++) {
-          ldmatrix_x4(b, b_operand<D>(dOt, (n4 + q) * 16, kk * MmaK));
+          ldmatrix_x4(b, b_operand<D>(dOt, (q0 + q) * 16, kk * MmaK));
           mma_m16n8k16(dp[q][0], a, b, T()), mma_m16n8k16(dp[q][1], a, b + 2, T());
         }
       }
 #pragma unroll
       for (int q = 0; q < QSteps; q++) {
-      const int n2 = n4 + q;
-      unsigned p_frag[4], ds_frag[4];
+        const int n2 = q0 + q;
+        unsigned p_frag[4], ds_frag[4];
 #pragma unroll
-      for (int half = 0; half < 2; half++) { /* queries 0-7, then 8-15 of the k-step */
-        int col = n2 * 16 + half * MmaN + 2 * tq;
-        float lo = lse_t[col] * Log2e, hi = lse_t[col + 1] * Log2e;
-        float lse_e[4] = {lo, hi, lo, hi};
-        float delta_e[4] = {delta_t[col], delta_t[col + 1], delta_t[col], delta_t[col + 1]};
-        bool visible[4] = {true, true, true, true};
-        if (masked)
+        for (int half = 0; half < 2; half++) { /* queries 0-7, then 8-15 of the k-step */
+          int col = n2 * 16 + half * MmaN + 2 * tq;
+          float lo = lse_t[col] * Log2e, hi = lse_t[col + 1] * Log2e;
+          float lse_e[4] = {lo, hi, lo, hi};
+          float delta_e[4] = {delta_t[col], delta_t[col + 1], delta_t[col], delta_t[col + 1]};
+          bool visible[4] = {true, true, true, true};
+          if (masked)
 #pragma unroll
-          for (int e = 0; e < 4; e++) {
-            int i = i0 + col + e % 2, j = jw + g + 8 * (e / 2);
-            visible[e] = i < nq && j < nkv && (!causal || j <= i + offset);
-          }
-        probabilities_and_ds<T>(s[q][half], dp[q][half], scale_log2, lse_e, delta_e, visible,
-                                p_frag + 2 * half, ds_frag + 2 * half);
-        if (AtomicDq) /* rows g and g + 8 of the warp's keys, 2 queries a register */
+            for (int e = 0; e < 4; e++) {
+              int i = i0 + col + e % 2, j = jw + g + 8 * (e / 2);
+              visible[e] = i < nq && j < nkv && (!causal || j <= i + offset);
+            }
+          probabilities_and_ds<T>(s[q][half], dp[q][half], scale_log2, lse_e, delta_e, visible,
+                                  p_frag + 2 * half, ds_frag + 2 * half);
+          if (AtomicDq) /* rows g and g + 8 of the warp's keys, 2 queries a register */
 #pragma unroll
-          for (int h = 0; h < 2; h++)
-            *reinterpret_cast<unsigned *>(dSt + swizzle<Br_bwd, T>(jw - j0 + g + 8 * h, col)) =
-                ds_frag[2 * half + h];
-      }
+            for (int h = 0; h < 2; h++)
+              *reinterpret_cast<unsigned *>(dSt + swizzle<Br_bwd, T>(jw - j0 + g + 8 * h, col)) =
+                  ds_frag[2 * half + h];
+        }
 #pragma unroll
-      for (int c2 = 0; c2 < D / 16; c2++) {
-        unsigned b[4];
-        ldmatrix_x4_trans(b, b_operand_trans<D>(dOt, n2 * 16, c2 * 16));
-        mma_m16n8k16(dv_acc[0][2 * c2], p_frag, b, T());
-        mma_m16n8k16(dv_acc[0][2 * c2 + 1], p_frag, b + 2, T());
-        ldmatrix_x4_trans(b, b_operand_trans<D>(Qt, n2 * 16, c2 * 16));
-        mma_m16n8k16(dk_acc[0][2 * c2], ds_frag, b, T());
-        mma_m16n8k16(dk_acc[0][2 * c2 + 1], ds_frag, b + 2, T());
-      }
+        for (int c2 = 0; c2 < D / 16; c2++) {
+          unsigned b[4];
+          ldmatrix_x4_trans(b, b_operand_trans<D>(dOt, n2 * 16, c2 * 16));
+          mma_m16n8k16(dv_acc[0][2 * c2], p_frag, b, T());
+          mma_m16n8k16(dv_acc[0][2 * c2 + 1], p_frag, b + 2, T());
+          ldmatrix_x4_trans(b, b_operand_trans<D>(Qt, n2 * 16, c2 * 16));
+          mma_m16n8k16(dk_acc[0][2 * c2], ds_frag, b, T());
+          mma_m16n8k16(dk_acc[0][2 * c2 + 1], ds_frag, b + 2, T());
+        }
       }
     }
     if (AtomicDq) {
