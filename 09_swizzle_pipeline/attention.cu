@@ -1,11 +1,16 @@
 /* Stage 09: keeping the tensor cores fed.
  *
- * The kernels are stage 08's. What changes is how the operands reach ldmatrix:
+ * The kernels are stage 08's. What changes is how the operands reach ldmatrix and how much
+ * a warp issues beside its products:
  *   - shared-memory tiles without padding, their 16-byte chunks permuted by XOR with the row
  *     (`swizzle`, drawn below), so that ldmatrix's 8-row reads still hit all 32 banks and a
  *     d = 128 forward block fits 96 KiB instead of 102 (every GPU since sm_80 takes it);
- *   - in the forward, K and V copied and waited for separately: V(t)'s copy overlaps
- *     S = Q K(t)^T and K(t + 1)'s the softmax and P V(t), with two barriers a tile as before.
+ *   - copies whose loop the compiler unrolls (the block's size is a template parameter), and
+ *     in the forward K and V copied and waited for separately: V(t)'s copy overlaps
+ *     S = Q K(t)^T and K(t + 1)'s the softmax and P V(t), with two barriers a tile as before;
+ *   - in the backward, dQ added by fp32 atomics from the dK/dV kernel (FlashAttention-2's
+ *     way; ATTN_DETERMINISTIC=1 keeps 08's dQ kernel), and each K and V operand a dK/dV warp
+ *     loads feeding several query steps.
  */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -967,7 +972,7 @@ static void backward(const attn_problem *p, const attn_buffers *t) {
 
 static const attn_stage stage = {
     .name = "09_swizzle_pipeline",
-    .idea = "swizzled shared memory, K and V copies waited for separately",
+    .idea = "feeding the tensor cores: swizzled tiles, split K/V waits, atomic dQ",
     .device = &attn_cuda_device,
     .head_dims = {32, 64, 128},
     .dtypes = DTYPE_BIT(DTYPE_FP16) | DTYPE_BIT(DTYPE_BF16),
