@@ -83,6 +83,17 @@ function(attention_stage name source)
     target_link_libraries(${name} PRIVATE attn_common)
   endif()
   set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${ATTN_BIN_DIR})
+  if(kind STREQUAL "gpu" AND ATTN_PYTHON AND name MATCHES "^[0-9][0-9]_")
+    # The same source as a library for the Python package (common/stage_library.cu).
+    add_library(attn_${name} SHARED ${CMAKE_SOURCE_DIR}/common/stage_library.cu)
+    target_compile_definitions(attn_${name} PRIVATE
+                               ATTN_STAGE_SOURCE="${CMAKE_CURRENT_SOURCE_DIR}/${source}")
+    target_compile_options(attn_${name} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo>)
+    target_link_libraries(attn_${name} PRIVATE attn_gpu)
+    set_target_properties(attn_${name} PROPERTIES LIBRARY_OUTPUT_DIRECTORY
+                                                   ${CMAKE_BINARY_DIR}/lib)
+    set_property(GLOBAL APPEND PROPERTY ATTN_STAGE_LIBRARIES attn_${name})
+  endif()
   set_property(GLOBAL APPEND PROPERTY ATTN_STAGES ${name})
   set_property(GLOBAL APPEND PROPERTY ATTN_STAGE_KINDS ${kind})
 

@@ -10,8 +10,8 @@
 #   PHASES="pytorch sweep" SWEEP="07_tensor_cores 08_mma_sync" scripts/gpu_round.sh OUT_DIR
 #   PHASES="build" scripts/gpu_round.sh OUT_DIR  # then, elsewhere: PHASES="tests" ...
 #
-# PHASES: any of build, tests, sanitizer, sweep, pytorch, variants (default: the first five,
-# in that order);
+# PHASES: any of build, tests, sanitizer, sweep, pytorch, variants, python (default: the
+# first five, in that order);
 # build always runs first, the others in the order given.
 # Without build, build-gpu must already hold a build of this tree: one made by this script
 # with the same CUDA toolkit at the same path (CMake and CTest record absolute paths), for
@@ -29,6 +29,11 @@
 # in OUT_DIR/variants/; VARIANT_SEQ and VARIANT_DIMS pass through.
 # PYTORCH_BACKENDS: SDPA backends to time (default: flash cudnn efficient math);
 # PYTORCH_SEQ: their sequence lengths (default: the sweep's).
+# python: the Python package's pytest suite (CTest label pytorch; the build must have been
+# configured with ATTN_PYTHON on, the default where python3 imports torch), whose training
+# comparison leaves OUT_DIR/rows/training.tsv, then python/bench.py (PyTorch's timing of the
+# stages beside SDPA and the stage programs' own) into OUT_DIR/rows/pytorch_bench.tsv;
+# PYBENCH: extra bench.py arguments.
 # PACK=1: at the end every file of OUT_DIR but summary.txt goes into OUT_DIR/results.tgz,
 # for a transport that brings back only a few files.
 # OUT_DIR gets summary.txt, the ctest logs, build.log, sweep.log, pytorch.log and rows/gpu.tsv
@@ -86,6 +91,15 @@ pytorch() {
     > "$out/pytorch.log" 2>&1
   log "pytorch: $(tail -1 "$out/pytorch.log")"
 }
+python_package() {
+  FLASH_STAGES_TRAINING_TSV=$results/training.tsv ctest --test-dir build-gpu -L pytorch \
+    --output-on-failure ${TESTS:-} > "$out/ctest_python.log" 2>&1
+  log "python: $(grep -E 'tests passed|No tests' "$out/ctest_python.log")"
+  grep -E "passed|failed|skipped|error" "$out/ctest_python.log" | tail -3 | tee -a "$out/summary.txt"
+  python3 python/bench.py --bin build-gpu/bin --tsv "$results/pytorch_bench.tsv" ${PYBENCH:-} \
+    > "$out/python_bench.log" 2>&1
+  log "python bench: exit $?, $(grep -c . "$results/pytorch_bench.tsv" 2>/dev/null) rows"
+}
 variants() {
   local words
   read -r -a words <<< "${VARIANTS:-}"
@@ -108,7 +122,8 @@ for phase in $phases; do
     sweep) sweep ;;
     pytorch) pytorch ;;
     variants) variants ;;
-    *) log "unknown phase '$phase' (build, tests, sanitizer, sweep, pytorch, variants)" ;;
+    python) python_package ;;
+    *) log "unknown phase '$phase' (build, tests, sanitizer, sweep, pytorch, variants, python)" ;;
   esac
 done
 log "done"

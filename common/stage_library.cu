@@ -1,0 +1,50 @@
+/* One GPU stage as a shared library, for the Python package (python/flash_stages).
+ *
+ * The stage's own source file is compiled here unchanged: ATTN_STAGE_SOURCE names it, and its
+ * main() is renamed so that the library has none. What the library adds is four C entry
+ * points around the stage's descriptor, so that Python (ctypes) runs exactly the kernels the
+ * stage program runs, on buffers PyTorch owns. The descriptor is read, not copied: the head
+ * dims and dtypes Python accepts are the ones the program accepts.
+ */
+#include "attention.h"
+#include "gpu.h"
+
+#ifndef ATTN_STAGE_SOURCE
+#error "ATTN_STAGE_SOURCE must name the stage's .cu file"
+#endif
+
+#define main attn_stage_program_main
+#include ATTN_STAGE_SOURCE
+#undef main
+
+extern "C" const char *attn_program_name;
+
+/* The stage's descriptor: name, idea, head dims, dtypes, causal and backward support. The
+ * program name is set here, once, so that the harness's error lines name the stage. */
+extern "C" const attn_stage *attn_library_stage(void) {
+  attn_program_name = stage.name;
+  return &stage;
+}
+
+/* Bytes of device workspace the forward and the backward need for problem p (the caller
+ * allocates them and passes them in t->workspace). */
+extern "C" size_t attn_library_forward_workspace(const attn_problem *p) {
+  return stage.forward_workspace ? stage.forward_workspace(p) : 0;
+}
+extern "C" size_t attn_library_backward_workspace(const attn_problem *p) {
+  return stage.backward_workspace ? stage.backward_workspace(p) : 0;
+}
+
+/* The passes, launched on the legacy default stream as in the stage program (the Python
+ * layer orders that stream after PyTorch's current one). Every launch inside is checked by
+ * the stage; a CUDA error there ends the process with the harness's one line, as it ends the
+ * program. Returns cudaGetLastError() after the launches, 0 when all is well. */
+extern "C" int attn_library_forward(const attn_problem *p, const attn_buffers *t) {
+  stage.forward(p, t);
+  return (int)cudaGetLastError();
+}
+extern "C" int attn_library_backward(const attn_problem *p, const attn_buffers *t) {
+  if (!stage.backward) return -1;
+  stage.backward(p, t);
+  return (int)cudaGetLastError();
+}

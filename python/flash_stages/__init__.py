@@ -1,0 +1,325 @@
+"""Every GPU stage of the repository, called from PyTorch like
+torch.nn.functional.scaled_dot_product_attention.
+
+    import flash_stages
+    o = flash_stages.scaled_dot_product_attention(q, k, v, is_causal=True)       # fastest stage
+    o = flash_stages.scaled_dot_product_attention(q, k, v, stage="08_mma_sync")  # one stage
+
+q is [B, H, Nq, d], k and v [B, H, Nkv, d], CUDA tensors. The kernels are the stage
+programs' own (each stage's .cu file built as a library, common/stage_library.cu), run on
+PyTorch's tensors: the output is allocated by PyTorch and written by the kernel, nothing is
+copied (inputs that are not contiguous are made contiguous first: the kernels read row-major
+[B, H, N, d], docs/conventions.md section 1). Two custom operators, flash_stages::forward
+and flash_stages::backward, carry the autograd formula and a fake-tensor implementation, so
+torch.compile traces a call without a graph break.
+
+What differs from SDPA, on purpose:
+  - is_causal is aligned bottom-right (key j is visible to query i when j <= i + Nkv - Nq),
+    FlashAttention's convention and the repository's; for Nq == Nkv it is SDPA's mask. A row
+    that sees no key gets O = 0 and zero gradients.
+  - no attn_mask and no dropout: a stage computes plain or causal attention only.
+What a stage does not support (dtype, head dim, causal, backward, grouped-query attention) is
+a FlashStagesError that says which stage supports it; with fallback=True the call goes to
+PyTorch's SDPA instead, with one warning per reason.
+
+Streams: the stages launch on CUDA's legacy default stream, which is PyTorch's default
+stream. When PyTorch's current stream is another one, that stream's work is waited for before
+the kernels and the current stream waits for them after, so results are ordered as if they ran
+on it. CUDA graphs cannot capture them (the operators are tagged so).
+"""
+import math
+import os
+import warnings
+
+import torch
+
+from . import _library
+
+__all__ = ["scaled_dot_product_attention", "stages", "stage_info", "FlashStagesError",
+           "HALF_STAGES", "PREFERENCE"]
+
+# The order the default choice tries: the fastest stage first (docs/results), each only where
+# it supports the inputs.
+PREFERENCE = ("09_swizzle_pipeline", "08_mma_sync", "07_tensor_cores", "06_backward",
+              "05_causal", "04_shared_memory", "03_cuda_forward")
+HALF_STAGES = ("07_tensor_cores", "08_mma_sync", "09_swizzle_pipeline")
+
+_TORCH_DTYPE = {_library.DTYPE_FP32: torch.float32, _library.DTYPE_FP16: torch.float16,
+                _library.DTYPE_BF16: torch.bfloat16}
+_DTYPE_CODE = {v: k for k, v in _TORCH_DTYPE.items()}
+# Where each missing feature arrives in the ladder, for the error messages.
+_COMES_IN = {"causal": "05_causal", "backward": "06_backward", "half": "07_tensor_cores",
+             "gqa": "11_split_kv_decode"}
+
+
+class FlashStagesError(ValueError):
+    """The inputs are not something the chosen stage computes."""
+
+
+class StageInfo:
+    """What a stage supports, read from its descriptor (the stage program's own)."""
+
+    def __init__(self, lib):
+        self.name, self.idea = lib.name, lib.idea
+        self.head_dims = lib.head_dims
+        self.dtypes = tuple(_TORCH_DTYPE[c] for c in lib.dtype_codes)
+        self.causal, self.backward = lib.causal, lib.backward
+
+    def __repr__(self):
+        dt = ", ".join(str(t).replace("torch.", "") for t in self.dtypes)
+        return (f"StageInfo({self.name}: d in {self.head_dims or 'any'}, {dt}, "
+                f"causal={self.causal}, backward={self.backward})")
+
+
+_LIBS, LIBRARY_DIR = _library.load_all()
+_INFO = {name: StageInfo(lib) for name, lib in _LIBS.items()}
+# The pointers and shape of the last kernel call, so that a test can see that the kernels
+# read and wrote PyTorch's own tensors.
+last_call = {}
+
+
+def stages():
+    """The stages whose libraries loaded, in ladder order."""
+    return sorted(_LIBS)
+
+
+def stage_info(name):
+    if name not in _INFO:
+        raise FlashStagesError(_unknown_stage(name))
+    return _INFO[name]
+
+
+def _unknown_stage(name):
+    if not _LIBS:
+        return ("no stage library found (looked in: " + ", ".join(_library.library_dirs()) +
+                "); build them with `cmake -B build -DATTN_PYTHON=ON && cmake --build build`")
+    return f"no stage named {name!r}; loaded: {', '.join(stages())}"
+
+
+def _unsupported(info, q, k, v, is_causal, enable_gqa, needs_grad):
+    """Why `info`'s stage cannot compute this call, or None."""
+    if q.dtype not in info.dtypes:
+        wanted = ", ".join(str(t).replace("torch.", "") for t in info.dtypes)
+        hint = (f" (half precision comes in {_COMES_IN['half']})"
+                if q.dtype in (torch.float16, torch.bfloat16) and
+                torch.float32 in info.dtypes else "")
+        return f"{info.name} takes {wanted} inputs, not {str(q.dtype).replace('torch.', '')}{hint}"
+    d = q.shape[-1]
+    if info.head_dims and d not in info.head_dims:
+        return f"{info.name} supports head dims {list(info.head_dims)}, not {d}"
+    if is_causal and not info.causal:
+        return f"{info.name} has no causal mask (it comes in {_COMES_IN['causal']})"
+    if needs_grad and not info.backward:
+        return f"{info.name} has no backward (it comes in {_COMES_IN['backward']})"
+    if k.shape[1] != q.shape[1]:
+        return (f"{info.name} has no grouped-query attention ({q.shape[1]} query heads, "
+                f"{k.shape[1]} key/value heads; it comes in {_COMES_IN['gqa']})")
+    return None
+
+
+def _check_inputs(q, k, v, enable_gqa):
+    """Errors no stage and no fallback could fix: SDPA would refuse these too."""
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(t, torch.Tensor):
+            raise FlashStagesError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise FlashStagesError(f"{name} must be 4-D [B, H, N, d], got shape "
+                                   f"{tuple(t.shape)}")
+        if t.device.type != "cuda":
+            raise FlashStagesError(f"{name} is on {t.device}; the stages run on CUDA tensors")
+    if not (q.device == k.device == v.device):
+        raise FlashStagesError(f"query, key and value are on {q.device}, {k.device}, "
+                               f"{v.device}: they must share one device")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise FlashStagesError(f"query, key and value have dtypes {q.dtype}, {k.dtype}, "
+                               f"{v.dtype}: they must match")
+    (b, h, nq, d), (bk, hk, nkv, dk) = q.shape, k.shape
+    if k.shape != v.shape:
+        raise FlashStagesError(f"key {tuple(k.shape)} and value {tuple(v.shape)} must have one "
+                               "shape")
+    if bk != b or dk != d:
+        raise FlashStagesError(f"query {tuple(q.shape)} and key {tuple(k.shape)} must agree in "
+                               "batch and head dim")
+    if hk != h and not (enable_gqa and hk > 0 and h % hk == 0):
+        raise FlashStagesError(f"query has {h} heads and key {hk}: set enable_gqa=True for "
+                               "grouped-query attention (query heads a multiple of key heads)")
+    if max(b, h, nq, nkv, d) > 2**31 - 1:
+        raise FlashStagesError(f"a dimension of {tuple(q.shape)} / {tuple(k.shape)} exceeds "
+                               "2^31 - 1")
+
+
+_warned = set()
+
+
+def _fallback(q, k, v, is_causal, scale, enable_gqa, why):
+    if why not in _warned:
+        _warned.add(why)
+        warnings.warn(f"flash_stages: falling back to torch SDPA: {why}", stacklevel=3)
+    F = torch.nn.functional
+    nq, nkv = q.shape[2], k.shape[2]
+    if is_causal and nq != nkv:
+        # The stages' bottom-right alignment, which SDPA's is_causal (top-left) is not.
+        from torch.nn.attention.bias import causal_lower_right
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(nq, nkv),
+                                              scale=scale, enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                          enable_gqa=enable_gqa)
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                 is_causal=False, scale=None, enable_gqa=False, stage=None,
+                                 fallback=False):
+    """SDPA's signature and semantics (see the module's docstring for the causal alignment).
+    stage: a name from stages(), or None for the fastest stage that supports the inputs.
+    fallback: True sends what the stage cannot compute to torch SDPA (with a warning) instead
+    of raising FlashStagesError."""
+    q, k, v = query, key, value
+    _check_inputs(q, k, v, enable_gqa)
+    if attn_mask is not None or dropout_p != 0.0:
+        why = "the stages take no attn_mask and no dropout (use is_causal for the causal mask)"
+        if fallback:
+            return torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                scale=scale, enable_gqa=enable_gqa)
+        raise FlashStagesError(why)
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise FlashStagesError(f"scale must be a finite number, got {scale}")
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if stage is None:
+        reasons = []
+        for name in PREFERENCE:
+            if name in _INFO:
+                why = _unsupported(_INFO[name], q, k, v, is_causal, enable_gqa, needs_grad)
+                if why is None:
+                    stage = name
+                    break
+                reasons.append(why)
+        if stage is None:
+            why = "; ".join(reasons) if reasons else _unknown_stage("(any)")
+            if fallback:
+                return _fallback(q, k, v, is_causal, scale, enable_gqa, why)
+            raise FlashStagesError(f"no loaded stage computes this call: {why}")
+    else:
+        if stage not in _INFO:
+            raise FlashStagesError(_unknown_stage(stage))
+        why = _unsupported(_INFO[stage], q, k, v, is_causal, enable_gqa, needs_grad)
+        if why is not None:
+            if fallback:
+                return _fallback(q, k, v, is_causal, scale, enable_gqa, why)
+            raise FlashStagesError(why)
+    if q.numel() == 0 or k.numel() == 0:
+        # Nothing for a kernel to do; SDPA's answer for empty keys is an empty sum: zeros.
+        return torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
+    o, _ = _forward_op(q, k, v, stage, bool(is_causal), scale)
+    return o
+
+
+# ---- the operators ---------------------------------------------------------------------
+
+
+def _problem(q, k, causal, scale):
+    b, h, nq, d = q.shape
+    return _library.Problem(b, h, nq, k.shape[2], d, int(causal), scale, _DTYPE_CODE[q.dtype])
+
+
+def _run(fn, problem, buffers, tensors, what):
+    """Runs a pass on the legacy default stream, ordered after and before PyTorch's current
+    stream."""
+    current = torch.cuda.current_stream(tensors[0].device)
+    default = torch.cuda.default_stream(tensors[0].device)
+    other = current != default
+    if other:
+        default.wait_stream(current)
+    err = fn(problem, buffers)
+    if other:
+        current.wait_stream(default)
+        for t in tensors:  # their memory is in use on the default stream until it gets here
+            t.record_stream(default)
+    if err != 0:
+        raise RuntimeError(f"flash_stages: {what} failed: CUDA error {err}")
+
+
+def _set_deterministic():
+    """ATTN_DETERMINISTIC (docs/conventions.md) follows torch.use_deterministic_algorithms:
+    a stage that adds dQ by atomics then takes its deterministic path."""
+    want = "1" if torch.are_deterministic_algorithms_enabled() else "0"
+    if os.environ.get("ATTN_DETERMINISTIC") != want:
+        os.environ["ATTN_DETERMINISTIC"] = want
+
+
+_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
+@torch.library.custom_op("flash_stages::forward", mutates_args=(), device_types="cuda",
+                         tags=_TAGS)
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage: str, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    lib = _LIBS[stage]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    o = torch.empty_like(q)
+    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+    p = _problem(q, k, causal, scale)
+    ws = torch.empty(lib.forward_workspace(p), dtype=torch.uint8, device=q.device)
+    bufs = _library.Buffers(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
+                            lse.data_ptr(), None, None, None, None,
+                            ws.data_ptr() if ws.numel() else None)
+    last_call.clear()
+    last_call.update(stage=stage, direction="forward", q=q.data_ptr(), k=k.data_ptr(),
+                     v=v.data_ptr(), o=o.data_ptr(), lse=lse.data_ptr())
+    _run(lib.forward, p, bufs, (q, k, v, o, lse, ws), f"{stage} forward")
+    return o, lse
+
+
+@_forward_op.register_fake
+def _(q, k, v, stage, causal, scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
+        q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("flash_stages::backward", mutates_args=(), device_types="cuda",
+                         tags=_TAGS)
+def _backward_op(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, lse: torch.Tensor, stage: str, causal: bool,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    lib = _LIBS[stage]
+    d_o, q, k, v, o = (t.contiguous() for t in (d_o, q, k, v, o))
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    p = _problem(q, k, causal, scale)
+    ws = torch.empty(lib.backward_workspace(p), dtype=torch.uint8, device=q.device)
+    bufs = _library.Buffers(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
+                            lse.data_ptr(), d_o.data_ptr(), dq.data_ptr(), dk.data_ptr(),
+                            dv.data_ptr(), ws.data_ptr() if ws.numel() else None)
+    _set_deterministic()
+    last_call.clear()
+    last_call.update(stage=stage, direction="backward", q=q.data_ptr(), k=k.data_ptr(),
+                     v=v.data_ptr(), d_o=d_o.data_ptr(), dq=dq.data_ptr(), dk=dk.data_ptr(),
+                     dv=dv.data_ptr())
+    _run(lib.run_backward, p, bufs, (d_o, q, k, v, o, lse, dq, dk, dv, ws), f"{stage} backward")
+    return dq, dk, dv
+
+
+@_backward_op.register_fake
+def _(d_o, q, k, v, o, lse, stage, causal, scale):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, stage, causal, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.stage, ctx.causal, ctx.scale = stage, causal, scale
+
+
+def _backward(ctx, d_o, d_lse):
+    q, k, v, o, lse = ctx.saved_tensors
+    # LSE is an output only so that the backward can have it; SDPA returns no LSE, so
+    # nothing downstream differentiates it (d_lse is None or zeros).
+    dq, dk, dv = _backward_op(d_o, q, k, v, o, lse, ctx.stage, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,100 @@
+"""The stage libraries (libattn_<stage>.so, built from common/stage_library.cu) seen from
+ctypes: the C structures of common/attention.h mirrored field for field, and a loader.
+
+Where the libraries are looked for, first match wins:
+  1. the folder in the environment variable FLASH_STAGES_LIB_DIR;
+  2. flash_stages/lib inside the package (what `cmake --build build --target python_package`
+     fills, and what `pip install ./python` then installs);
+  3. build/lib and build-gpu/lib of the repository the package sits in (a checkout used in
+     place, without installing).
+"""
+import ctypes
+import glob
+import os
+
+# attn_dtype in common/attention.h.
+DTYPE_FP32, DTYPE_FP16, DTYPE_BF16 = 0, 1, 2
+
+
+class Problem(ctypes.Structure):
+    """attn_problem."""
+    _fields_ = [("batch", ctypes.c_int), ("heads", ctypes.c_int), ("seq_q", ctypes.c_int),
+                ("seq_kv", ctypes.c_int), ("head_dim", ctypes.c_int), ("causal", ctypes.c_int),
+                ("scale", ctypes.c_float), ("dtype", ctypes.c_int)]
+
+
+class Buffers(ctypes.Structure):
+    """attn_buffers: device pointers, PyTorch's own storage."""
+    _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+                ("o", ctypes.c_void_p), ("lse", ctypes.c_void_p), ("d_o", ctypes.c_void_p),
+                ("dq", ctypes.c_void_p), ("dk", ctypes.c_void_p), ("dv", ctypes.c_void_p),
+                ("workspace", ctypes.c_void_p)]
+
+
+class Stage(ctypes.Structure):
+    """attn_stage: only the fields Python reads are used, but every field is declared so that
+    the offsets match the C layout."""
+    _fields_ = [("name", ctypes.c_char_p), ("idea", ctypes.c_char_p),
+                ("device", ctypes.c_void_p), ("head_dims", ctypes.c_int * 8),
+                ("dtypes", ctypes.c_uint), ("has_causal", ctypes.c_int),
+                ("saves_lse", ctypes.c_int), ("forward_workspace", ctypes.c_void_p),
+                ("forward", ctypes.c_void_p), ("backward_workspace", ctypes.c_void_p),
+                ("backward", ctypes.c_void_p)]
+
+
+class StageLibrary:
+    """One loaded stage: its descriptor's facts and its four entry points."""
+
+    def __init__(self, path):
+        self.path = path
+        self.lib = ctypes.CDLL(path)
+        self.lib.attn_library_stage.restype = ctypes.POINTER(Stage)
+        for fn in ("attn_library_forward_workspace", "attn_library_backward_workspace"):
+            getattr(self.lib, fn).restype = ctypes.c_size_t
+            getattr(self.lib, fn).argtypes = [ctypes.POINTER(Problem)]
+        for fn in ("attn_library_forward", "attn_library_backward"):
+            getattr(self.lib, fn).restype = ctypes.c_int
+            getattr(self.lib, fn).argtypes = [ctypes.POINTER(Problem), ctypes.POINTER(Buffers)]
+        s = self.lib.attn_library_stage().contents
+        self.name = s.name.decode()
+        self.idea = s.idea.decode()
+        self.head_dims = tuple(d for d in s.head_dims if d)  # empty: any d >= 1
+        mask = s.dtypes or 1 << DTYPE_FP32  # 0 means fp32 only
+        self.dtype_codes = tuple(t for t in (DTYPE_FP32, DTYPE_FP16, DTYPE_BF16)
+                                 if mask & (1 << t))
+        self.causal = bool(s.has_causal)
+        self.backward = bool(s.backward)
+
+    def forward_workspace(self, problem):
+        return self.lib.attn_library_forward_workspace(ctypes.byref(problem))
+
+    def backward_workspace(self, problem):
+        return self.lib.attn_library_backward_workspace(ctypes.byref(problem))
+
+    def forward(self, problem, buffers):
+        return self.lib.attn_library_forward(ctypes.byref(problem), ctypes.byref(buffers))
+
+    def run_backward(self, problem, buffers):
+        return self.lib.attn_library_backward(ctypes.byref(problem), ctypes.byref(buffers))
+
+
+def library_dirs():
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(os.path.dirname(here))
+    dirs = []
+    if os.environ.get("FLASH_STAGES_LIB_DIR"):
+        dirs.append(os.environ["FLASH_STAGES_LIB_DIR"])
+    dirs += [os.path.join(here, "lib"), os.path.join(root, "build", "lib"),
+             os.path.join(root, "build-gpu", "lib")]
+    return dirs
+
+
+def load_all():
+    """{stage name: StageLibrary} from the first folder that holds any library, and that
+    folder (None when there is none)."""
+    for d in library_dirs():
+        paths = sorted(glob.glob(os.path.join(d, "libattn_*.so")))
+        if paths:
+            libs = [StageLibrary(p) for p in paths]
+            return {lib.name: lib for lib in libs}, d
+    return {}, None

@@ -1,0 +1,42 @@
+#!/usr/bin/env python3
+"""CTest's entry to the Python package's tests (python.pytorch): exits 77, which CTest shows
+as skipped, when this machine cannot run them (no PyTorch, no pytest, no CUDA device, no
+stage libraries built), and otherwise runs pytest on python/tests and returns its verdict.
+FLASH_STAGES_LIB_DIR (set by CTest to the build's lib folder) says where the libraries are."""
+import glob
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def skip(why):
+    print(f"python.pytorch: skipped: {why}")
+    sys.exit(77)
+
+
+def main():
+    try:
+        import torch
+    except ImportError:
+        skip("PyTorch is not installed for " + sys.executable)
+    try:
+        import pytest  # noqa: F401
+    except ImportError:
+        skip("pytest is not installed for " + sys.executable)
+    if not torch.cuda.is_available():
+        skip("no CUDA device for PyTorch")
+    lib_dir = os.environ.get("FLASH_STAGES_LIB_DIR", "")
+    if not glob.glob(os.path.join(lib_dir, "libattn_*.so")):
+        skip(f"no stage libraries in '{lib_dir}': configure with -DATTN_PYTHON=ON and build")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(HERE) + os.pathsep +
+               os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", HERE] + sys.argv[1:],
+                       env=env)
+    # 5 is pytest's "no tests collected": nothing ran, so nothing passed.
+    sys.exit(1 if r.returncode == 5 else r.returncode)
+
+
+if __name__ == "__main__":
+    main()

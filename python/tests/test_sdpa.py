@@ -1,0 +1,276 @@
+"""The package against PyTorch: every loaded stage's forward and gradients against SDPA's math
+backend in float64 on the same rounded inputs (docs/conventions.md section 3: the
+half-precision rule for stages 07-09, the fp32 bound for 03-06), over ragged N, Nq != Nkv,
+causal and fully masked rows; torch.compile of a function that calls it; the no-copy claim;
+the errors and the fallback."""
+import math
+import os
+import sys
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device", allow_module_level=True)
+import flash_stages as fs  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+from compare_pytorch import reference as same_precision_baseline  # noqa: E402
+
+if not fs.stages():
+    pytest.skip("no stage library loaded", allow_module_level=True)
+
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+HALF = [s for s in fs.HALF_STAGES if s in fs.stages()]
+FP32 = [s for s in ("03_cuda_forward", "04_shared_memory", "05_causal", "06_backward")
+        if s in fs.stages()]
+HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+# (B, H, Nq, Nkv, d, causal): ragged N, Nq != Nkv both ways, every head dim, and causal
+# shapes with Nq > Nkv, whose first Nq - Nkv rows see no key (O = 0, zero gradients).
+SHAPES = [
+    (1, 2, 1000, 1000, 64, False),
+    (2, 3, 777, 1025, 128, True),
+    (1, 4, 300, 200, 64, True),
+    (2, 2, 17, 17, 32, True),
+    (1, 3, 129, 129, 128, False),
+    (1, 2, 1, 147, 64, False),
+    (3, 2, 239, 1, 32, True),
+    (1, 1, 513, 127, 128, True),
+]
+
+
+def bottom_right_mask(nq, nkv, device):
+    i = torch.arange(nq, device=device)[:, None]
+    j = torch.arange(nkv, device=device)[None, :]
+    return j <= i + (nkv - nq)
+
+
+def float64_reference(q, k, v, d_o, causal, scale):
+    """O, dQ, dK, dV from SDPA's math backend in float64, with the stages' bottom-right mask
+    (for Nq == Nkv SDPA's own is_causal; rows that see no key give 0, as the stages do)."""
+    q, k, v = (x.double().detach().requires_grad_(True) for x in (q, k, v))
+    mask = bottom_right_mask(q.shape[2], k.shape[2], q.device) if causal else None
+    with sdpa_kernel(SDPBackend.MATH):
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                             scale=scale)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), d_o.double())
+    return o.detach(), dq, dk, dv
+
+
+def inputs(shape, dtype, seed=0):
+    b, h, nq, nkv, d, _ = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(b, h, nq, d, device="cuda", dtype=dtype, generator=g)
+    k = torch.randn(b, h, nkv, d, device="cuda", dtype=dtype, generator=g)
+    v = torch.randn(b, h, nkv, d, device="cuda", dtype=dtype, generator=g)
+    d_o = torch.randn(b, h, nq, d, device="cuda", dtype=dtype, generator=g)
+    return q, k, v, d_o
+
+
+def run_stage(stage, q, k, v, d_o, causal, backward=True):
+    q, k, v = (x.detach().requires_grad_(backward) for x in (q, k, v))
+    o = fs.scaled_dot_product_attention(q, k, v, is_causal=causal, stage=stage)
+    if not backward:
+        return (o.detach(),)
+    return (o.detach(), *torch.autograd.grad(o, (q, k, v), d_o))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}_{}x{}_d{}{}".format(
+    *s[:5], "_causal" if s[5] else ""))
+@pytest.mark.parametrize("dtype", list(HALF_DTYPES))
+@pytest.mark.parametrize("stage", HALF)
+def test_half_precision_rule(stage, dtype, shape):
+    """FlashAttention's rule: the stage's error against float64 is at most m times the error
+    of a plain same-precision attention (S in fp32, P rounded to the dtype) on the same
+    inputs, plus a rounding floor; m = 2 for O, 4 for dQ, 3 for dK and dV."""
+    tdt = HALF_DTYPES[dtype]
+    causal = shape[5]
+    q, k, v, d_o = inputs(shape, tdt)
+    scale = 1 / math.sqrt(shape[4])
+    got = run_stage(stage, q, k, v, d_o, causal)
+    ref = float64_reference(q, k, v, d_o, causal, scale)
+    o_low, _, *grads_low = same_precision_baseline(torch, q, k, v, d_o, scale, causal, tdt)
+    low = [o_low, *grads_low]
+    failures = []
+    for name, m, g, lo, rf in zip(("O", "dQ", "dK", "dV"), (2, 4, 3, 3), got, low, ref):
+        assert g.dtype == tdt and g.shape == rf.shape, f"{name}: {g.dtype} {tuple(g.shape)}"
+        assert torch.isfinite(g).all(), f"{name} has NaN or Inf"
+        err = (g.double() - rf).abs().max().item()
+        base = (lo.double() - rf).abs().max().item()
+        x = rf.to(tdt)
+        floor = 2 * ((x + 0.3 - 0.3) - x).abs().max().item()
+        if not err <= m * base + floor:
+            failures.append(f"{name} error {err:.3e} > {m} x {base:.3e} + {floor:.1e}")
+    assert not failures, "; ".join(failures)
+
+
+FP32_SHAPES = [(1, 2, 129, 129, 64, False), (2, 3, 113, 203, 32, True),
+               (1, 2, 300, 200, 128, True)]
+
+
+@pytest.mark.parametrize("shape", FP32_SHAPES, ids=lambda s: "B{}H{}_{}x{}_d{}{}".format(
+    *s[:5], "_causal" if s[5] else ""))
+@pytest.mark.parametrize("stage", FP32)
+def test_fp32_bound(stage, shape):
+    """The fp32 stages' bound (docs/conventions.md section 3): forward 2e-6, backward 2e-5,
+    each times max(1, max|S|) and max(1, max|V|) or max(1, max|g_ref|)."""
+    info = fs.stage_info(stage)
+    causal = shape[5]
+    if causal and not info.causal:
+        pytest.skip(f"{stage} has no causal mask")
+    q, k, v, d_o = inputs(shape, torch.float32)
+    scale = 1 / math.sqrt(shape[4])
+    got = run_stage(stage, q, k, v, d_o, causal, backward=info.backward)
+    ref = float64_reference(q, k, v, d_o, causal, scale)
+    s_max = max(1.0, (scale * q.double() @ k.double().transpose(-1, -2)).abs().max().item())
+    bound_o = 2e-6 * s_max * max(1.0, v.abs().max().item())
+    err = (got[0].double() - ref[0]).abs().max().item()
+    assert err <= bound_o, f"O error {err:.3e} > {bound_o:.3e}"
+    for name, g, rf in zip(("dQ", "dK", "dV"), got[1:], ref[1:]):
+        bound = 2e-5 * s_max * max(1.0, rf.abs().max().item())
+        err = (g.double() - rf).abs().max().item()
+        assert err <= bound, f"{name} error {err:.3e} > {bound:.3e}"
+
+
+def fastest_half():
+    if not HALF:
+        pytest.skip("no half-precision stage loaded")
+    return [s for s in fs.PREFERENCE if s in HALF][0]
+
+
+def test_default_is_the_fastest_stage_that_fits():
+    stage = fastest_half()
+    q, k, v, _ = inputs((1, 2, 64, 64, 64, False), torch.float16)
+    fs.scaled_dot_product_attention(q, k, v)
+    assert fs.last_call["stage"] == stage
+    if "06_backward" in fs.stages():
+        q32 = q.float().requires_grad_(True)
+        fs.scaled_dot_product_attention(q32, k.float(), v.float(), is_causal=True)
+        assert fs.last_call["stage"] == "06_backward"
+
+
+def test_no_copies():
+    """The kernels read PyTorch's tensors and write the tensors PyTorch returns."""
+    stage = fastest_half()
+    q, k, v, d_o = inputs((2, 3, 200, 200, 64, True), torch.float16)
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+    o = fs.scaled_dot_product_attention(q, k, v, is_causal=True, stage=stage)
+    call = fs.last_call.copy()
+    assert (call["q"], call["k"], call["v"]) == (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    assert call["o"] == o.data_ptr()
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), d_o)
+    call = fs.last_call.copy()
+    assert call["direction"] == "backward" and call["d_o"] == d_o.data_ptr()
+    assert (call["dq"], call["dk"], call["dv"]) == (dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
+
+
+def test_torch_compile_traces_without_graph_breaks():
+    stage = fastest_half()
+    q, k, v, d_o = inputs((2, 4, 256, 256, 64, True), torch.float16)
+
+    def block(q, k, v):
+        return fs.scaled_dot_product_attention(q * 1.0, k, v, is_causal=True, stage=stage) * 2.0
+
+    compiled = torch.compile(block, fullgraph=True)
+    torch.use_deterministic_algorithms(True)  # 09 adds dQ by atomics otherwise
+    try:
+        results = []
+        for fn in (block, compiled):
+            qq, kk, vv = (x.detach().requires_grad_(True) for x in (q, k, v))
+            o = fn(qq, kk, vv)
+            results.append((o.detach(), *torch.autograd.grad(o, (qq, kk, vv), d_o)))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, eager, comp in zip(("O", "dQ", "dK", "dV"), *results):
+        assert torch.equal(eager, comp), f"{name} differs between eager and compiled"
+
+
+def test_non_contiguous_inputs_give_the_same_result():
+    stage = fastest_half()
+    b, n, h, d = 2, 130, 3, 64
+    x = torch.randn(b, n, 3 * h, d, device="cuda", dtype=torch.float16)
+    q, k, v = (t.transpose(1, 2) for t in x.split(h, dim=2))  # [B, H, N, d] views
+    assert not q.is_contiguous()
+    got = fs.scaled_dot_product_attention(q, k, v, is_causal=True, stage=stage)
+    want = fs.scaled_dot_product_attention(q.contiguous(), k.contiguous(), v.contiguous(),
+                                           is_causal=True, stage=stage)
+    assert torch.equal(got, want)
+
+
+def test_side_stream_is_ordered():
+    stage = fastest_half()
+    q, k, v, _ = inputs((4, 8, 1024, 1024, 64, False), torch.float16)
+    want = fs.scaled_dot_product_attention(q, k, v, stage=stage)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        q2 = q * 1  # made on the side stream, read by the kernels right after
+        got = fs.scaled_dot_product_attention(q2, k, v, stage=stage)
+        got = got * 1  # consumed on the side stream
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(got, want)
+
+
+def test_deterministic_backward_when_asked():
+    stage = fastest_half()
+    q, k, v, d_o = inputs((2, 4, 512, 512, 64, False), torch.float16)
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [run_stage(stage, q, k, v, d_o, False) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), *runs):
+        assert torch.equal(a, b), f"{name} differs between two deterministic runs"
+
+
+def test_errors_are_clear():
+    stage = fastest_half()
+    q, k, v, _ = inputs((1, 2, 64, 64, 64, False), torch.float16)
+    with pytest.raises(fs.FlashStagesError, match="CUDA tensors"):
+        fs.scaled_dot_product_attention(q.cpu(), k.cpu(), v.cpu(), stage=stage)
+    with pytest.raises(fs.FlashStagesError, match="takes float16, bfloat16 inputs"):
+        fs.scaled_dot_product_attention(q.float(), k.float(), v.float(), stage=stage)
+    q40 = torch.randn(1, 2, 64, 40, device="cuda", dtype=torch.float16)
+    with pytest.raises(fs.FlashStagesError, match="head dims \\[32, 64, 128\\], not 40"):
+        fs.scaled_dot_product_attention(q40, q40, q40, stage=stage)
+    with pytest.raises(fs.FlashStagesError, match="must be 4-D"):
+        fs.scaled_dot_product_attention(q[0], k[0], v[0], stage=stage)
+    with pytest.raises(fs.FlashStagesError, match="must agree in batch and head dim"):
+        fs.scaled_dot_product_attention(q, k[..., :32], v[..., :32], stage=stage)
+    with pytest.raises(fs.FlashStagesError, match="enable_gqa=True"):
+        fs.scaled_dot_product_attention(q, k[:, :1], v[:, :1], stage=stage)
+    with pytest.raises(fs.FlashStagesError, match="11_split_kv_decode"):
+        fs.scaled_dot_product_attention(q, k[:, :1], v[:, :1], enable_gqa=True, stage=stage)
+    with pytest.raises(fs.FlashStagesError, match="no attn_mask"):
+        fs.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(64, 64, dtype=bool,
+                                                                      device="cuda"))
+    with pytest.raises(fs.FlashStagesError, match="no stage named"):
+        fs.scaled_dot_product_attention(q, k, v, stage="99_nothing")
+    if "03_cuda_forward" in fs.stages():
+        q32, k32, v32 = q.float(), k.float(), v.float()
+        with pytest.raises(fs.FlashStagesError, match="comes in 05_causal"):
+            fs.scaled_dot_product_attention(q32, k32, v32, is_causal=True,
+                                            stage="03_cuda_forward")
+        with pytest.raises(fs.FlashStagesError, match="comes in 06_backward"):
+            fs.scaled_dot_product_attention(q32.requires_grad_(True), k32, v32,
+                                            stage="03_cuda_forward")
+
+
+def test_fallback_says_so_once_and_keeps_the_alignment():
+    stage = fastest_half()
+    q = torch.randn(1, 2, 90, 40, device="cuda", dtype=torch.float16)  # d = 40: no stage
+    k = torch.randn(1, 2, 60, 40, device="cuda", dtype=torch.float16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = fs.scaled_dot_product_attention(q, k, k, is_causal=True, stage=stage,
+                                              fallback=True)
+        fs.scaled_dot_product_attention(q, k, k, is_causal=True, stage=stage, fallback=True)
+    said = [w for w in caught if "falling back to torch SDPA" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    mask = bottom_right_mask(90, 60, "cuda")
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+    rows_seeing_keys = mask.any(-1)
+    assert torch.allclose(got[:, :, rows_seeing_keys], want[:, :, rows_seeing_keys], atol=2e-3)
