@@ -92,10 +92,12 @@ pytorch() {
   log "pytorch: $(tail -1 "$out/pytorch.log")"
 }
 python_package() {
-  FLASH_STAGES_TRAINING_TSV=$results/training.tsv ctest --test-dir build-gpu -L pytorch \
-    --output-on-failure ${TESTS:-} > "$out/ctest_python.log" 2>&1
+  # -V: pytest's own summary (how many passed, which skipped and why) goes into the log.
+  FLASH_STAGES_TRAINING_TSV=$results/training.tsv ctest --test-dir build-gpu -L pytorch -V \
+    ${TESTS:-} > "$out/ctest_python.log" 2>&1
   log "python: $(grep -E 'tests passed|No tests' "$out/ctest_python.log")"
-  grep -E "passed|failed|skipped|error" "$out/ctest_python.log" | tail -3 | tee -a "$out/summary.txt"
+  grep -E "[0-9]+ (passed|failed|skipped|error)" "$out/ctest_python.log" | tail -3 |
+    tee -a "$out/summary.txt"
   python3 python/bench.py --bin build-gpu/bin --tsv "$results/pytorch_bench.tsv" ${PYBENCH:-} \
     > "$out/python_bench.log" 2>&1
   log "python bench: exit $?, $(grep -c . "$results/pytorch_bench.tsv" 2>/dev/null) rows"
