@@ -99,9 +99,9 @@ template <int D>
 static void launch(const attn_problem *p, const attn_buffers *t) {
   int heads = p->batch * p->heads;
   dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
-  flash_forward_kernel<D><<<grid, Br>>>((const float *)t->q, (const float *)t->k,
-                                        (const float *)t->v, (float *)t->o, t->lse, p->seq_q,
-                                        p->seq_kv, p->scale);
+  flash_forward_kernel<D><<<grid, Br, 0, attn_stream()>>>((const float *)t->q, (const float *)t->k,
+                                                          (const float *)t->v, (float *)t->o,
+                                                          t->lse, p->seq_q, p->seq_kv, p->scale);
   CHECK_LAUNCH("flash_forward_kernel");
 }
 

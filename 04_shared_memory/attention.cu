@@ -122,9 +122,9 @@ static void launch(const attn_problem *p, const attn_buffers *t) {
   dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
   attn_require_shared_memory((const void *)flash_forward_kernel<D>, tile_bytes(D),
                              "flash_forward_kernel");
-  flash_forward_kernel<D><<<grid, Br, tile_bytes(D)>>>((const float *)t->q, (const float *)t->k,
-                                                       (const float *)t->v, (float *)t->o, t->lse,
-                                                       p->seq_q, p->seq_kv, p->scale);
+  flash_forward_kernel<D><<<grid, Br, tile_bytes(D), attn_stream()>>>(
+      (const float *)t->q, (const float *)t->k, (const float *)t->v, (float *)t->o, t->lse,
+      p->seq_q, p->seq_kv, p->scale);
   CHECK_LAUNCH("flash_forward_kernel");
 }
 

@@ -141,7 +141,7 @@ static void launch(const attn_problem *p, const attn_buffers *t) {
   dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
   attn_require_shared_memory((const void *)flash_forward_kernel<D>, tile_bytes(D),
                              "flash_forward_kernel");
-  flash_forward_kernel<D><<<grid, Br, tile_bytes(D)>>>(
+  flash_forward_kernel<D><<<grid, Br, tile_bytes(D), attn_stream()>>>(
       (const float *)t->q, (const float *)t->k, (const float *)t->v, (float *)t->o, t->lse,
       p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_forward_kernel");

@@ -147,7 +147,7 @@ static void launch(const attn_problem *p, const attn_buffers *t) {
   dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
   attn_require_shared_memory((const void *)flash_forward_kernel<D>, tile_bytes(D),
                              "flash_forward_kernel");
-  flash_forward_kernel<D><<<grid, Br, tile_bytes(D)>>>(
+  flash_forward_kernel<D><<<grid, Br, tile_bytes(D), attn_stream()>>>(
       (const float *)t->q, (const float *)t->k, (const float *)t->v, (float *)t->o, t->lse,
       p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_forward_kernel");
@@ -361,9 +361,11 @@ static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const floa
   attn_require_shared_memory((const void *)flash_backward_dkdv_kernel<D, BC>, dkdv_bytes(D, BC),
                              "flash_backward_dkdv_kernel");
   unsigned key_blocks = (unsigned)((p->seq_kv + BC - 1) / BC * heads);
-  flash_backward_dkdv_kernel<D, BC><<<key_blocks, BC * row_lanes(D), dkdv_bytes(D, BC)>>>(
-      (const float *)t->q, (const float *)t->k, (const float *)t->v, (const float *)t->d_o, t->lse,
-      delta, (float *)t->dk, (float *)t->dv, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
+  flash_backward_dkdv_kernel<D, BC>
+      <<<key_blocks, BC * row_lanes(D), dkdv_bytes(D, BC), attn_stream()>>>(
+          (const float *)t->q, (const float *)t->k, (const float *)t->v, (const float *)t->d_o,
+          t->lse, delta, (float *)t->dk, (float *)t->dv, p->seq_q, p->seq_kv, heads, p->scale,
+          p->causal);
   CHECK_LAUNCH("flash_backward_dkdv_kernel");
 }
 
@@ -373,8 +375,9 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   long rows = (long)heads * p->seq_q;
   float *delta = (float *)t->workspace;
   const int delta_threads = 256; /* a memory-bound pass: any full-warp count will do */
-  compute_delta_kernel<<<(unsigned)((rows + delta_threads - 1) / delta_threads), delta_threads>>>(
-      (const float *)t->o, (const float *)t->d_o, delta, rows, D);
+  compute_delta_kernel<<<(unsigned)((rows + delta_threads - 1) / delta_threads), delta_threads, 0,
+                         attn_stream()>>>((const float *)t->o, (const float *)t->d_o, delta, rows,
+                                          D);
   CHECK_LAUNCH("compute_delta_kernel");
   if (dkdv_bytes(D, Bc_bwd) <= attn_shared_memory_limit())
     launch_dkdv<D, Bc_bwd>(p, t, delta);
@@ -383,7 +386,7 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   attn_require_shared_memory((const void *)flash_backward_dq_kernel<D>, tile_bytes(D),
                              "flash_backward_dq_kernel");
   unsigned row_blocks = (unsigned)((p->seq_q + Br - 1) / Br * heads);
-  flash_backward_dq_kernel<D><<<row_blocks, Br * row_lanes(D), tile_bytes(D)>>>(
+  flash_backward_dq_kernel<D><<<row_blocks, Br * row_lanes(D), tile_bytes(D), attn_stream()>>>(
       (const float *)t->q, (const float *)t->k, (const float *)t->v, (const float *)t->d_o, t->lse,
       delta, (float *)t->dq, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_backward_dq_kernel");

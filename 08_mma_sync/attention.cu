@@ -451,7 +451,7 @@ static void launch_forward(const attn_problem *p, const attn_buffers *t) {
   attn_require_shared_memory((const void *)flash_forward_kernel<D, BC, T>, tile_bytes<T>(D, BC, Br),
                              "flash_forward_kernel");
   flash_forward_kernel<D, BC>
-      <<<grid, threads_for(Br, row_frags(D) * MmaM), tile_bytes<T>(D, BC, Br)>>>(
+      <<<grid, threads_for(Br, row_frags(D) * MmaM), tile_bytes<T>(D, BC, Br), attn_stream()>>>(
           (const T *)t->q, (const T *)t->k, (const T *)t->v, (T *)t->o, t->lse, p->seq_q, p->seq_kv,
           heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_forward_kernel");
@@ -768,9 +768,10 @@ static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const floa
   attn_require_shared_memory((const void *)flash_backward_dkdv_kernel<D, BC, T>,
                              dkdv_bytes<T>(D, BC), "flash_backward_dkdv_kernel");
   unsigned key_blocks = (unsigned)((p->seq_kv + BC - 1) / BC * heads);
-  flash_backward_dkdv_kernel<D, BC><<<key_blocks, threads_for(BC, MmaM), dkdv_bytes<T>(D, BC)>>>(
-      (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
-      (T *)t->dk, (T *)t->dv, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
+  flash_backward_dkdv_kernel<D, BC>
+      <<<key_blocks, threads_for(BC, MmaM), dkdv_bytes<T>(D, BC), attn_stream()>>>(
+          (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
+          (T *)t->dk, (T *)t->dv, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_backward_dkdv_kernel");
 }
 
@@ -782,8 +783,8 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   long rows = (long)heads * p->seq_q;
   float *delta = (float *)t->workspace;
   const int delta_threads = 256; /* a memory-bound pass: any full-warp count will do */
-  compute_delta_kernel<<<(unsigned)((rows + delta_threads - 1) / delta_threads), delta_threads>>>(
-      (const T *)t->o, (const T *)t->d_o, delta, rows, D);
+  compute_delta_kernel<<<(unsigned)((rows + delta_threads - 1) / delta_threads), delta_threads, 0,
+                         attn_stream()>>>((const T *)t->o, (const T *)t->d_o, delta, rows, D);
   CHECK_LAUNCH("compute_delta_kernel");
   if (dkdv_bytes<T>(D, Bc_bwd) <= attn_shared_memory_limit())
     launch_dkdv<D, Bc_bwd, T>(p, t, delta);
@@ -793,7 +794,7 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   attn_require_shared_memory((const void *)flash_backward_dq_kernel<D, T>, dq_bytes,
                              "flash_backward_dq_kernel");
   unsigned row_blocks = (unsigned)((p->seq_q + Br_dq - 1) / Br_dq * heads);
-  flash_backward_dq_kernel<D><<<row_blocks, threads_for(Br_dq, MmaM), dq_bytes>>>(
+  flash_backward_dq_kernel<D><<<row_blocks, threads_for(Br_dq, MmaM), dq_bytes, attn_stream()>>>(
       (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
       (T *)t->dq, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_backward_dq_kernel");

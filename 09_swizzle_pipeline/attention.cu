@@ -514,7 +514,7 @@ static void launch_forward(const attn_problem *p, const attn_buffers *t) {
   attn_require_shared_memory((const void *)flash_forward_kernel<D, BC, T>, tile_bytes<T>(D, BC, Br),
                              "flash_forward_kernel");
   flash_forward_kernel<D, BC>
-      <<<grid, threads_for(Br, row_frags(D) * MmaM), tile_bytes<T>(D, BC, Br)>>>(
+      <<<grid, threads_for(Br, row_frags(D) * MmaM), tile_bytes<T>(D, BC, Br), attn_stream()>>>(
           (const T *)t->q, (const T *)t->k, (const T *)t->v, (T *)t->o, t->lse, p->seq_q, p->seq_kv,
           heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_forward_kernel");
@@ -917,7 +917,7 @@ static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const floa
                              dkdv_bytes<T>(D, BC), "flash_backward_dkdv_kernel");
   unsigned key_blocks = (unsigned)((p->seq_kv + BC - 1) / BC * heads);
   flash_backward_dkdv_kernel<D, BC, AtomicDq>
-      <<<key_blocks, threads_for(BC, MmaM), dkdv_bytes<T>(D, BC)>>>(
+      <<<key_blocks, threads_for(BC, MmaM), dkdv_bytes<T>(D, BC), attn_stream()>>>(
           (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
           (T *)t->dk, (T *)t->dv, dq_accum, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_backward_dkdv_kernel");
@@ -931,15 +931,15 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   long rows = (long)heads * p->seq_q;
   float *delta = (float *)t->workspace;
   const int delta_threads = 256; /* a memory-bound pass: any full-warp count will do */
-  compute_delta_kernel<<<(unsigned)((rows + delta_threads - 1) / delta_threads), delta_threads>>>(
-      (const T *)t->o, (const T *)t->d_o, delta, rows, D);
+  compute_delta_kernel<<<(unsigned)((rows + delta_threads - 1) / delta_threads), delta_threads, 0,
+                         attn_stream()>>>((const T *)t->o, (const T *)t->d_o, delta, rows, D);
   CHECK_LAUNCH("compute_delta_kernel");
   /* dQ by atomics from the dK/dV kernel (five products a tile), or, with
    * ATTN_DETERMINISTIC=1, by the dQ kernel (seven, every bit the same run after run). */
   bool atomic_dq = !attn_deterministic();
   float *dq_accum = delta + rows;
   long dq_elems = rows * D;
-  if (atomic_dq) CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, sizeof(float) * dq_elems));
+  if (atomic_dq) CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, sizeof(float) * dq_elems, attn_stream()));
   bool big = dkdv_bytes<T>(D, Bc_bwd) <= attn_shared_memory_limit();
   if (atomic_dq && big) launch_dkdv<D, Bc_bwd, true, T>(p, t, delta, dq_accum);
   if (atomic_dq && !big) launch_dkdv<D, Bc_bwd_small, true, T>(p, t, delta, dq_accum);
@@ -948,7 +948,8 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   if (atomic_dq) {
     const int convert_threads = 256; /* a memory-bound pass: any full-warp count will do */
     convert_dq_kernel<<<(unsigned)((dq_elems + convert_threads - 1) / convert_threads),
-                        convert_threads>>>(dq_accum, (T *)t->dq, dq_elems, p->scale);
+                        convert_threads, 0, attn_stream()>>>(dq_accum, (T *)t->dq, dq_elems,
+                                                             p->scale);
     CHECK_LAUNCH("convert_dq_kernel");
     return;
   }
@@ -956,7 +957,7 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   attn_require_shared_memory((const void *)flash_backward_dq_kernel<D, T>, dq_bytes,
                              "flash_backward_dq_kernel");
   unsigned row_blocks = (unsigned)((p->seq_q + Br_dq - 1) / Br_dq * heads);
-  flash_backward_dq_kernel<D><<<row_blocks, threads_for(Br_dq, MmaM), dq_bytes>>>(
+  flash_backward_dq_kernel<D><<<row_blocks, threads_for(Br_dq, MmaM), dq_bytes, attn_stream()>>>(
       (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
       (T *)t->dq, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_backward_dq_kernel");

@@ -50,6 +50,11 @@ int attn_deterministic(void) {
   return 1;
 }
 
+/* Per thread: PyTorch runs backward passes on threads of its own. 0: the legacy stream. */
+static thread_local cudaStream_t attn_launch_stream;
+cudaStream_t attn_stream(void) { return attn_launch_stream; }
+void attn_set_stream(cudaStream_t stream) { attn_launch_stream = stream; }
+
 void attn_require_shared_memory(const void *kernel, size_t bytes, const char *kernel_name) {
   size_t limit = attn_shared_memory_limit();
   if (bytes > limit)

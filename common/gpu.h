@@ -26,6 +26,12 @@ size_t attn_shared_memory_limit(void);
  * takes its deterministic path. Any other value but unset or 0 is a usage error. */
 int attn_deterministic(void);
 
+/* The stream every launch of a stage goes to (its fourth launch parameter): the legacy
+ * default stream (0) in the stage programs, whose timing records its events there; the
+ * Python package sets PyTorch's current stream around each call (common/stage_library.cu). */
+cudaStream_t attn_stream(void);
+void attn_set_stream(cudaStream_t stream);
+
 /* Allows `kernel` `bytes` of dynamic shared memory, or exits 2 naming the limit when the
  * device cannot give that much to one block. */
 void attn_require_shared_memory(const void *kernel, size_t bytes, const char *kernel_name);

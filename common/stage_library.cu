@@ -35,16 +35,20 @@ extern "C" size_t attn_library_backward_workspace(const attn_problem *p) {
   return stage.backward_workspace ? stage.backward_workspace(p) : 0;
 }
 
-/* The passes, launched on the legacy default stream as in the stage program (the Python
- * layer orders that stream after PyTorch's current one). Every launch inside is checked by
- * the stage; a CUDA error there ends the process with the harness's one line, as it ends the
+/* The passes, launched on `stream` (PyTorch's current stream, a cudaStream_t; 0 is the
+ * legacy default stream, as in the stage program). Every launch inside is checked by the
+ * stage; a CUDA error there ends the process with the harness's one line, as it ends the
  * program. Returns cudaGetLastError() after the launches, 0 when all is well. */
-extern "C" int attn_library_forward(const attn_problem *p, const attn_buffers *t) {
+extern "C" int attn_library_forward(const attn_problem *p, const attn_buffers *t, void *stream) {
+  attn_set_stream((cudaStream_t)stream);
   stage.forward(p, t);
+  attn_set_stream(0);
   return (int)cudaGetLastError();
 }
-extern "C" int attn_library_backward(const attn_problem *p, const attn_buffers *t) {
+extern "C" int attn_library_backward(const attn_problem *p, const attn_buffers *t, void *stream) {
   if (!stage.backward) return -1;
+  attn_set_stream((cudaStream_t)stream);
   stage.backward(p, t);
+  attn_set_stream(0);
   return (int)cudaGetLastError();
 }

@@ -22,10 +22,10 @@ What a stage does not support (dtype, head dim, causal, backward, grouped-query 
 a FlashStagesError that says which stage supports it; with fallback=True the call goes to
 PyTorch's SDPA instead, with one warning per reason.
 
-Streams: the stages launch on CUDA's legacy default stream, which is PyTorch's default
-stream. When PyTorch's current stream is another one, that stream's work is waited for before
-the kernels and the current stream waits for them after, so results are ordered as if they ran
-on it. CUDA graphs cannot capture them (the operators are tagged so).
+Streams: the kernels run on PyTorch's current stream (the harness's attn_stream(), which the
+library sets around each call; the stage programs leave it at the legacy default stream).
+CUDA graphs are not tried: the operators are tagged cudagraph_unsafe, since a stage's host
+code (shared-memory opt-in, the dQ buffer's memset) was not written with capture in mind.
 """
 import math
 import os
@@ -224,19 +224,9 @@ def _problem(q, k, causal, scale):
     return _library.Problem(b, h, nq, k.shape[2], d, int(causal), scale, _DTYPE_CODE[q.dtype])
 
 
-def _run(fn, problem, buffers, tensors, what):
-    """Runs a pass on the legacy default stream, ordered after and before PyTorch's current
-    stream."""
-    current = torch.cuda.current_stream(tensors[0].device)
-    default = torch.cuda.default_stream(tensors[0].device)
-    other = current != default
-    if other:
-        default.wait_stream(current)
-    err = fn(problem, buffers)
-    if other:
-        current.wait_stream(default)
-        for t in tensors:  # their memory is in use on the default stream until it gets here
-            t.record_stream(default)
+def _run(fn, problem, buffers, device, what):
+    """Runs a pass on PyTorch's current stream of `device`."""
+    err = fn(problem, buffers, torch.cuda.current_stream(device).cuda_stream)
     if err != 0:
         raise RuntimeError(f"flash_stages: {what} failed: CUDA error {err}")
 
@@ -268,7 +258,7 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage: str, c
     last_call.clear()
     last_call.update(stage=stage, direction="forward", q=q.data_ptr(), k=k.data_ptr(),
                      v=v.data_ptr(), o=o.data_ptr(), lse=lse.data_ptr())
-    _run(lib.forward, p, bufs, (q, k, v, o, lse, ws), f"{stage} forward")
+    _run(lib.forward, p, bufs, q.device, f"{stage} forward")
     return o, lse
 
 
@@ -296,7 +286,7 @@ def _backward_op(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     last_call.update(stage=stage, direction="backward", q=q.data_ptr(), k=k.data_ptr(),
                      v=v.data_ptr(), d_o=d_o.data_ptr(), dq=dq.data_ptr(), dk=dk.data_ptr(),
                      dv=dv.data_ptr())
-    _run(lib.run_backward, p, bufs, (d_o, q, k, v, o, lse, dq, dk, dv, ws), f"{stage} backward")
+    _run(lib.run_backward, p, bufs, q.device, f"{stage} backward")
     return dq, dk, dv
 
 

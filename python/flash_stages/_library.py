@@ -54,7 +54,8 @@ class StageLibrary:
             getattr(self.lib, fn).argtypes = [ctypes.POINTER(Problem)]
         for fn in ("attn_library_forward", "attn_library_backward"):
             getattr(self.lib, fn).restype = ctypes.c_int
-            getattr(self.lib, fn).argtypes = [ctypes.POINTER(Problem), ctypes.POINTER(Buffers)]
+            getattr(self.lib, fn).argtypes = [ctypes.POINTER(Problem), ctypes.POINTER(Buffers),
+                                              ctypes.c_void_p]
         s = self.lib.attn_library_stage().contents
         self.name = s.name.decode()
         self.idea = s.idea.decode()
@@ -71,11 +72,14 @@ class StageLibrary:
     def backward_workspace(self, problem):
         return self.lib.attn_library_backward_workspace(ctypes.byref(problem))
 
-    def forward(self, problem, buffers):
-        return self.lib.attn_library_forward(ctypes.byref(problem), ctypes.byref(buffers))
+    def forward(self, problem, buffers, stream):
+        """stream: a cudaStream_t as an integer (torch.cuda.Stream.cuda_stream)."""
+        return self.lib.attn_library_forward(ctypes.byref(problem), ctypes.byref(buffers),
+                                             stream)
 
-    def run_backward(self, problem, buffers):
-        return self.lib.attn_library_backward(ctypes.byref(problem), ctypes.byref(buffers))
+    def run_backward(self, problem, buffers, stream):
+        return self.lib.attn_library_backward(ctypes.byref(problem), ctypes.byref(buffers),
+                                              stream)
 
 
 def library_dirs():

@@ -294,8 +294,10 @@ def run_comparison(steps=300, stages=None, device="cuda", config=Config(), log=s
 # 0.004 at the end. An attention that rounds q, k, v, P and O to bf16 as the half-precision
 # kernels do (a stand-in for a correct stage) left seed 0's curve by 0.004: six times inside
 # the noise. Wrong attentions, same seed: no causal mask, loss 0.02 by step 100 (it reads the
-# answer); no 1/sqrt(d) scale, up to 0.58 nats above in the second half. On an H100 (bf16
-# autocast, python/README.md): the seeds 0.027 apart over the second half, stages 07-09 within
+# answer); no 1/sqrt(d) scale, up to 0.58 nats above in the second half; no gradient through
+# q, 0.26 above at step 200; an attention that returns v (no mixing), 3.83 at step 200, on the
+# bigram plateau (the last two runs stopped there). On an H100 (bf16 autocast,
+# python/README.md): the seeds 0.027 apart over the second half, stages 07-09 within
 # 0.003-0.006 of seed 0, and SDPA at scale 1 instead of 1/8 0.42 away, refused.
 
 SMOOTH_WINDOW = 20  # steps: long against the per-step jitter, short against the curve's bends
@@ -514,8 +516,8 @@ def report(curves, out=sys.stdout):
     for name, losses in curves.items():
         first, final, learned_ok = learned(losses)
         if name in SDPA_RUNS:
-            seed_noise = max_difference(base, losses, compared_steps(len(losses)))
-            deviation = "-" if name == SDPA_RUNS[0] else f"{seed_noise:.4f}"
+            difference = max_difference(base, losses, compared_steps(len(losses)))
+            deviation = "-" if name == SDPA_RUNS[0] else f"{difference:.4f}"
             noise, ok = "", learned_ok
         else:
             dev, noise_value, ok = verdicts[name]

@@ -214,6 +214,25 @@ def test_side_stream_is_ordered():
     assert torch.equal(got, want)
 
 
+def test_runs_on_the_current_stream():
+    """With the default stream held busy by a long spin, a call on a side stream (PyTorch's
+    are non-blocking) finishes, and its output reads right on that stream, while the spin
+    still runs: the kernels were queued on the side stream, not behind the spin."""
+    stage = fastest_half()
+    q, k, v, _ = inputs((2, 4, 512, 512, 64, False), torch.float16)
+    want = fs.scaled_dot_product_attention(q, k, v, stage=stage)
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    torch.cuda._sleep(2_000_000_000)  # on the default stream: about a second on an H100
+    with torch.cuda.stream(side):
+        got = fs.scaled_dot_product_attention(q, k, v, stage=stage).clone()
+    side.synchronize()
+    still_spinning = not torch.cuda.default_stream().query()
+    torch.cuda.synchronize()
+    assert still_spinning, "the call waited for the default stream"
+    assert torch.equal(got, want), "the output was read on the current stream before written"
+
+
 def test_deterministic_backward_when_asked():
     stage = fastest_half()
     q, k, v, d_o = inputs((2, 4, 512, 512, 64, False), torch.float16)
