@@ -386,7 +386,8 @@ __device__ void compute_block_softmax_and_weighted_v(const float (*s)[BC / MmaN]
 /* Writes a warp's FRAGS x 16 rows of fp32 accumulators times factor[h] (h the lane's row) in
  * the dtype, rows [0, rows) only: each lane stores its two adjacent columns as one word. */
 template <int D, int FRAGS, typename T>
-__device__ void store_tile(const float (*acc)[D / MmaN][4], const float *factor, T *out, int rows) {
+__device__ void store_tile(const float (*acc)[D / MmaN][4], const float *factor, T *out, int rows,
+                           int ld = D) {
   int g = threadIdx.x % 32 / Quad, t = threadIdx.x % Quad;
 #pragma unroll
   for (int h = 0; h < 2 * FRAGS; h++) {
@@ -394,7 +395,7 @@ __device__ void store_tile(const float (*acc)[D / MmaN][4], const float *factor,
     if (r < rows)
 #pragma unroll
       for (int n = 0; n < D / MmaN; n++)
-        *reinterpret_cast<unsigned *>(out + (long)r * D + n * MmaN + 2 * t) =
+        *reinterpret_cast<unsigned *>(out + (long)r * ld + n * MmaN + 2 * t) =
             pack2(acc[h / 2][n][e] * factor[h], acc[h / 2][n][e + 1] * factor[h], T());
   }
 }
@@ -559,6 +560,26 @@ constexpr int Bc_bwd_small = 64;
 __host__ __device__ constexpr int query_steps(int d) {
   return ATTN_BWD_QSTEPS ? ATTN_BWD_QSTEPS : d > 64 ? 4 : 2;
 }
+/* A dK/dV warp's keys: 32 (two fragments), so that each Q and dO operand it loads feeds two
+ * mma.sync instead of one. Measured on an H100 (fp16, N = 4096 and 16384, causal and not,
+ * one command) against 16 keys a warp (-DATTN_BWD_WARP_KEYS=16, one warp a group at every d):
+ * backward +8 to +12% at d = 64, +2 to +4% at d = 128. */
+#ifndef ATTN_BWD_WARP_KEYS
+#define ATTN_BWD_WARP_KEYS 32
+#endif
+constexpr int WarpKeys = ATTN_BWD_WARP_KEYS;
+static_assert(WarpKeys % MmaM == 0, "whole fragments of keys");
+/* Warps that share a group of WarpKeys keys. At d <= 64 one, which keeps dK and dV of its 32
+ * keys (64 registers a lane at d = 64) and P^T, dS^T in registers. At d = 128 dK and dV of 32
+ * keys would take 256 registers a lane, so two: each makes P^T and dS^T for half of a query
+ * tile and writes them to shared memory, then adds dK and dV for half of the columns over
+ * the whole tile, reading them back (FlashAttention-2's split). */
+__host__ __device__ constexpr int key_group_warps(int d) {
+  return WarpKeys > MmaM && d > 64 ? 2 : 1;
+}
+__host__ __device__ constexpr int dkdv_threads(int d, int bc) {
+  return bc / WarpKeys * key_group_warps(d) * 32;
+}
 /* Query rows per tile of the dK/dV kernel: half its keys (64 rows, like Bc in the forward). */
 __host__ __device__ constexpr int rows_bwd(int bc) { return bc / 2; }
 /* The dQ kernel: 4 warps of 16 query rows each, walking tiles of 32 keys, half the forward's,
@@ -568,9 +589,8 @@ constexpr int Br_dq = 4 * MmaM, Bc_dq = 32;
 static_assert(rows_bwd(Bc_bwd_small) % MmaK == 0 && Bc_dq % MmaK == 0, "whole k-steps");
 
 /* Blocks of the dK/dV kernel that must fit an SM at once, which caps its registers: at
- * d <= 64, 2 (128 registers a thread; measured on an H100, +12 to +16% on the backward
- * against the compiler's 134 registers and one block); at d = 128 dK and dV alone take 128
- * registers, so 1. */
+ * d <= 64, 2 blocks of 4 warps (up to 255 registers a thread: dK and dV of 32 keys take 64
+ * of them); at d = 128, 1 of 8. */
 __host__ __device__ constexpr int dkdv_blocks_per_sm(int d) { return d <= 64 ? 2 : 1; }
 /* Blocks of the dQ kernel that must fit an SM at once. Its Q and dO operands stay in
  * registers, where the compiler would take 132 registers at d = 64 and 178 at d = 128 (3 and
@@ -590,11 +610,12 @@ static size_t backward_workspace(const attn_problem *p) {
 
 /* Shared memory of the dK/dV kernel: K and V (bc x d), double-buffered Q and dO tiles, LSE
  * and D of their rows, and dS^T of one query tile (bc x rows_bwd(bc)), from which the block
- * multiplies dQ += dS K. P^T never leaves the registers. */
+ * multiplies dQ += dS K; where two warps share a key group, P^T of the tile too. */
 template <typename T>
 static constexpr size_t dkdv_bytes(int d, int bc) {
   return sizeof(T) * (2 * (size_t)bc + 4 * rows_bwd(bc)) * padded<T>(d) +
-         sizeof(float) * 4 * rows_bwd(bc) + sizeof(T) * bc * padded<T>(rows_bwd(bc));
+         sizeof(float) * 4 * rows_bwd(bc) +
+         (key_group_warps(d) > 1 ? 2 : 1) * sizeof(T) * bc * padded<T>(rows_bwd(bc));
 }
 static_assert(tile_bytes<__half>(128, Bc_small, Br) <= 99 * 1024 &&
                   tile_bytes<__half>(128, Bc_dq, 2 * Br_dq) <= 99 * 1024 &&
@@ -648,14 +669,15 @@ __device__ void probabilities_and_ds(const float *s, const float *dp, float scal
 
 /* dQ += dS K for one query tile of the dK/dV kernel, FlashAttention-2's way: the block's
  * warps share the product of the tile's dS (Br_bwd queries x BC keys, read transposed from
- * dS^T in shared memory) and its K tile; warp w takes 16 queries and half of the D columns,
- * and adds its 16 x D/2 into the fp32 dQ by atomics, rows past `rows` left out. Blocks of
+ * dS^T in shared memory) and its K tile; warp w takes 16 queries and Cols of the D columns,
+ * and adds its 16 x Cols into the fp32 dQ by atomics, rows past `rows` left out. Blocks of
  * other keys add into the same rows in no fixed order, so dQ's last bits change from run to
  * run; ATTN_DETERMINISTIC=1 runs the dQ kernel instead. */
 template <int D, int BC, typename T>
 __device__ void accumulate_dq(const T *dSt, const T *Ks, float *dq_accum, int rows) {
-  constexpr int Br_bwd = rows_bwd(BC), QFrags = Br_bwd / MmaM, Cols = D / 2;
-  static_assert(BC / MmaM == 2 * QFrags, "the warps cover the tile's queries twice");
+  constexpr int Br_bwd = rows_bwd(BC), QFrags = Br_bwd / MmaM;
+  constexpr int Warps = dkdv_threads(D, BC) / 32, Cols = D * QFrags / Warps;
+  static_assert(Warps % QFrags == 0 && Cols % 16 == 0, "the warps cover the tile's queries");
   int w = threadIdx.x / 32, qf = w % QFrags, c0 = w / QFrags * Cols;
   float acc[Cols / MmaN][4] = {};
 #pragma unroll
@@ -679,35 +701,64 @@ __device__ void accumulate_dq(const T *dSt, const T *Ks, float *dq_accum, int ro
     }
 }
 
-/* A warp per 16 keys j of the block's BC keys (Bc_bwd, or Bc_bwd_small where shared memory
- * is smaller), keeping their dK, dV in accumulators while it walks the query tiles 16 queries
- * at a time: S^T = K Q^T and dP^T = V dO^T (keys as rows), P^T and dS^T made in registers,
- * then dV += P^T dO and dK += dS^T Q with those 16 queries as the k-step. */
+/* dV += P^T dO and dK += dS^T Q for one step of 16 queries (step n2 of the tile): the P^T and
+ * dS^T of the warp's FRAGS x 16 keys as A operands, the step's rows of dO and Q, columns
+ * [c0, c0 + COLS), read transposed as B. */
+template <int D, int COLS, int FRAGS, typename T>
+__device__ void update_dkdv(const unsigned (*p_frag)[4], const unsigned (*ds_frag)[4], const T *dOt,
+                            const T *Qt, int n2, int c0, float (*dv_acc)[COLS / MmaN][4],
+                            float (*dk_acc)[COLS / MmaN][4]) {
+#pragma unroll
+  for (int c2 = 0; c2 < COLS / 16; c2++) {
+    unsigned b[4];
+    ldmatrix_x4_trans(b, b_operand_trans<D>(dOt, n2 * 16, c0 + c2 * 16));
+#pragma unroll
+    for (int f = 0; f < FRAGS; f++)
+      mma_m16n8k16(dv_acc[f][2 * c2], p_frag[f], b, T()),
+          mma_m16n8k16(dv_acc[f][2 * c2 + 1], p_frag[f], b + 2, T());
+    ldmatrix_x4_trans(b, b_operand_trans<D>(Qt, n2 * 16, c0 + c2 * 16));
+#pragma unroll
+    for (int f = 0; f < FRAGS; f++)
+      mma_m16n8k16(dk_acc[f][2 * c2], ds_frag[f], b, T()),
+          mma_m16n8k16(dk_acc[f][2 * c2 + 1], ds_frag[f], b + 2, T());
+  }
+}
+
+/* The block's BC keys in groups of WarpKeys (32), each group's dK and dV in accumulators while
+ * the block walks the query tiles: S^T = K Q^T and dP^T = V dO^T (keys as rows), P^T and dS^T
+ * made in registers, then dV += P^T dO and dK += dS^T Q, 16 queries a k-step. One warp a
+ * group (d <= 64) does all of it in registers. Two warps a group (d = 128) each make P^T and
+ * dS^T for half of the tile's queries and write them to shared memory, then each adds dK and
+ * dV for half of the columns over the whole tile, reading P^T and dS^T back as A operands. */
 template <int D, int BC, bool AtomicDq, typename T>
-__global__ void __launch_bounds__(threads_for(BC, MmaM), dkdv_blocks_per_sm(D))
+__global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
     flash_backward_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ k,
                                const T *__restrict__ v, const T *__restrict__ d_o,
                                const float *__restrict__ lse, const float *__restrict__ delta,
                                T *__restrict__ dk, T *__restrict__ dv, float *__restrict__ dq_accum,
                                int nq, int nkv, int heads, float scale, int causal) {
-  constexpr int ld = padded<T>(D), Br_bwd = rows_bwd(BC), Threads = threads_for(BC, MmaM);
-  constexpr int QSteps = query_steps(D) < Br_bwd / MmaK ? query_steps(D) : Br_bwd / MmaK;
-  static_assert(Br_bwd / MmaK % QSteps == 0, "a query tile is whole groups of query steps");
+  constexpr int KeyFrags = WarpKeys / MmaM, Split = key_group_warps(D);
+  constexpr int ld = padded<T>(D), Br_bwd = rows_bwd(BC), Threads = dkdv_threads(D, BC);
+  constexpr int WarpSteps = Br_bwd / Split / MmaK, Cols = D / Split; /* each warp's share */
+  constexpr int QSteps = query_steps(D) < WarpSteps ? query_steps(D) : WarpSteps;
+  static_assert(WarpSteps % QSteps == 0 && Cols % 16 == 0, "whole query steps and columns");
   extern __shared__ __align__(256) float4 smem_bwd[];
   T *Ks = reinterpret_cast<T *>(smem_bwd), *Vs = Ks + BC * ld;
   T *Qs = Vs + BC * ld, *dOs = Qs + 2 * Br_bwd * ld; /* Q and dO double-buffered */
   float *lse_s = reinterpret_cast<float *>(dOs + 2 * Br_bwd * ld), *delta_s = lse_s + 2 * Br_bwd;
   T *dSt = reinterpret_cast<T *>(delta_s + 2 * Br_bwd); /* dS^T of the tile, for dQ */
+  T *Pt = dSt + BC * padded<T>(Br_bwd);                 /* P^T of the tile, if Split > 1 */
   int key_blocks = (nkv + BC - 1) / BC;
   long bh = blockIdx.x / key_blocks;
   int g = threadIdx.x % 32 / Quad, tq = threadIdx.x % Quad;
-  int j0 = (int)(blockIdx.x % key_blocks) * BC, jw = j0 + threadIdx.x / 32 * MmaM;
-  int offset = nkv - nq;
-  const T *Kw = Ks + (jw - j0) * ld, *Vw = Vs + (jw - j0) * ld; /* the warp's 16 keys */
+  int w = threadIdx.x / 32, part = Split > 1 ? w / (BC / WarpKeys) : 0; /* the warp's share */
+  int j0 = (int)(blockIdx.x % key_blocks) * BC, jw = j0 + w % (BC / WarpKeys) * WarpKeys;
+  int offset = nkv - nq, c0 = part * Cols;
+  const T *Kw = Ks + (jw - j0) * ld, *Vw = Vs + (jw - j0) * ld; /* the group's keys */
   const T *Q = q + bh * nq * D, *dO = d_o + bh * nq * D;
   load_kv_tile<D, BC, Threads>(k + (bh * nkv + j0) * D, v + (bh * nkv + j0) * D, min(BC, nkv - j0),
                                Ks, Vs);
-  float dk_acc[1][D / MmaN][4] = {}, dv_acc[1][D / MmaN][4] = {};
+  float dk_acc[KeyFrags][Cols / MmaN][4] = {}, dv_acc[KeyFrags][Cols / MmaN][4] = {};
   const float scale_log2 = scale * Log2e;
   /* Under the causal mask the first query that sees key j0 is j0 - offset: the query tiles
    * before it are skipped. */
@@ -720,90 +771,106 @@ __global__ void __launch_bounds__(threads_for(BC, MmaM), dkdv_blocks_per_sm(D))
   }
   __pipeline_commit();
   for (int i0 = i_begin, buf = 0; i0 < nq; i0 += Br_bwd, buf ^= 1) {
+    __pipeline_wait_prior(0);
+    __syncthreads(); /* RAW: the Q/dO tile, LSE and D (the first time, K and V) are in shared
+                      * memory; WAR: every warp is done with the last tile, so its Q/dO buffer
+                      * may be refilled and its P^T and dS^T rewritten */
     int next = i0 + Br_bwd, rows = min(Br_bwd, nq - next), nb = (buf ^ 1) * Br_bwd;
-    if (next < nq) {
+    if (next < nq) { /* the next tile's copy overlaps this tile's products */
       load_kv_tile<D, Br_bwd, Threads>(Q + (long)next * D, dO + (long)next * D, rows, Qs + nb * ld,
                                        dOs + nb * ld);
       load_row_stats(lse + bh * nq + next, delta + bh * nq + next, rows, Br_bwd, lse_s + nb,
                      delta_s + nb);
     }
     __pipeline_commit();
-    __pipeline_wait_prior(1);
-    __syncthreads(); /* RAW: the Q/dO tile, LSE and D (the first time, K and V) are in shared
-                      * memory before use */
     const T *Qt = Qs + buf * Br_bwd * ld, *dOt = dOs + buf * Br_bwd * ld;
     const float *lse_t = lse_s + buf * Br_bwd, *delta_t = delta_s + buf * Br_bwd;
     /* Only a tile with rows past the end of the queries, keys past the end of the keys, or a
      * key that some of its rows must not see (it crosses the diagonal) tests visibility. */
-    bool masked = i0 + Br_bwd > nq || jw + MmaM > nkv || (causal && jw + MmaM - 1 > i0 + offset);
+    bool masked =
+        i0 + Br_bwd > nq || jw + WarpKeys > nkv || (causal && jw + WarpKeys - 1 > i0 + offset);
     /* QSteps query steps of 16 share each load of the warp's K and V operands */
 #pragma unroll
-    for (int q0 = 0; q0 < Br_bwd / MmaK; q0 += QSteps) {
-      float s[QSteps][2][4] = {}, dp[QSteps][2][4] = {};
+    for (int qq = 0; qq < WarpSteps; qq += QSteps) {
+      const int q0 = part * WarpSteps + qq;
+      float s[QSteps][KeyFrags][2][4] = {}, dp[QSteps][KeyFrags][2][4] = {};
 #pragma unroll
       for (int kk = 0; kk < D / MmaK; kk++) {
-        unsigned a[4], b[4];
-        ldmatrix_x4(a, a_operand<D>(Kw, 0, kk * MmaK));
+        unsigned a[KeyFrags][4], b[4];
+#pragma unroll
+        for (int f = 0; f < KeyFrags; f++) ldmatrix_x4(a[f], a_operand<D>(Kw, f * MmaM, kk * MmaK));
 #pragma unroll
         for (int q = 0; q < QSteps; q++) {
           ldmatrix_x4(b, b_operand<D>(Qt, (q0 + q) * 16, kk * MmaK));
-          mma_m16n8k16(s[q][0], a, b, T()), mma_m16n8k16(s[q][1], a, b + 2, T());
+#pragma unroll
+          for (int f = 0; f < KeyFrags; f++)
+            mma_m16n8k16(s[q][f][0], a[f], b, T()), mma_m16n8k16(s[q][f][1], a[f], b + 2, T());
         }
-        ldmatrix_x4(a, a_operand<D>(Vw, 0, kk * MmaK));
+#pragma unroll
+        for (int f = 0; f < KeyFrags; f++) ldmatrix_x4(a[f], a_operand<D>(Vw, f * MmaM, kk * MmaK));
 #pragma unroll
         for (int q = 0; q < QSteps; q++) {
           ldmatrix_x4(b, b_operand<D>(dOt, (q0 + q) * 16, kk * MmaK));
-          mma_m16n8k16(dp[q][0], a, b, T()), mma_m16n8k16(dp[q][1], a, b + 2, T());
+#pragma unroll
+          for (int f = 0; f < KeyFrags; f++)
+            mma_m16n8k16(dp[q][f][0], a[f], b, T()), mma_m16n8k16(dp[q][f][1], a[f], b + 2, T());
         }
       }
 #pragma unroll
       for (int q = 0; q < QSteps; q++) {
         const int n2 = q0 + q;
-        unsigned p_frag[4], ds_frag[4];
+        unsigned p_frag[KeyFrags][4], ds_frag[KeyFrags][4];
 #pragma unroll
         for (int half = 0; half < 2; half++) { /* queries 0-7, then 8-15 of the k-step */
           int col = n2 * 16 + half * MmaN + 2 * tq;
           float lo = lse_t[col] * Log2e, hi = lse_t[col + 1] * Log2e;
           float lse_e[4] = {lo, hi, lo, hi};
           float delta_e[4] = {delta_t[col], delta_t[col + 1], delta_t[col], delta_t[col + 1]};
-          bool visible[4] = {true, true, true, true};
-          if (masked)
 #pragma unroll
-            for (int e = 0; e < 4; e++) {
-              int i = i0 + col + e % 2, j = jw + g + 8 * (e / 2);
-              visible[e] = i < nq && j < nkv && (!causal || j <= i + offset);
+          for (int f = 0; f < KeyFrags; f++) {
+            bool visible[4] = {true, true, true, true};
+            if (masked)
+#pragma unroll
+              for (int e = 0; e < 4; e++) {
+                int i = i0 + col + e % 2, j = jw + f * MmaM + g + 8 * (e / 2);
+                visible[e] = i < nq && j < nkv && (!causal || j <= i + offset);
+              }
+            probabilities_and_ds<T>(s[q][f][half], dp[q][f][half], scale_log2, lse_e, delta_e,
+                                    visible, p_frag[f] + 2 * half, ds_frag[f] + 2 * half);
+#pragma unroll
+            for (int h = 0; h < 2; h++) { /* rows g and g + 8 of the fragment's keys */
+              int at = swizzle<Br_bwd, T>(jw - j0 + f * MmaM + g + 8 * h, col);
+              if (AtomicDq || Split > 1)
+                *reinterpret_cast<unsigned *>(dSt + at) = ds_frag[f][2 * half + h];
+              if (Split > 1) *reinterpret_cast<unsigned *>(Pt + at) = p_frag[f][2 * half + h];
             }
-          probabilities_and_ds<T>(s[q][half], dp[q][half], scale_log2, lse_e, delta_e, visible,
-                                  p_frag + 2 * half, ds_frag + 2 * half);
-          if (AtomicDq) /* rows g and g + 8 of the warp's keys, 2 queries a register */
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-              *reinterpret_cast<unsigned *>(dSt + swizzle<Br_bwd, T>(jw - j0 + g + 8 * h, col)) =
-                  ds_frag[2 * half + h];
+          }
         }
-#pragma unroll
-        for (int c2 = 0; c2 < D / 16; c2++) {
-          unsigned b[4];
-          ldmatrix_x4_trans(b, b_operand_trans<D>(dOt, n2 * 16, c2 * 16));
-          mma_m16n8k16(dv_acc[0][2 * c2], p_frag, b, T());
-          mma_m16n8k16(dv_acc[0][2 * c2 + 1], p_frag, b + 2, T());
-          ldmatrix_x4_trans(b, b_operand_trans<D>(Qt, n2 * 16, c2 * 16));
-          mma_m16n8k16(dk_acc[0][2 * c2], ds_frag, b, T());
-          mma_m16n8k16(dk_acc[0][2 * c2 + 1], ds_frag, b + 2, T());
-        }
+        if (Split == 1)
+          update_dkdv<D, Cols, KeyFrags>(p_frag, ds_frag, dOt, Qt, n2, 0, dv_acc, dk_acc);
       }
     }
-    if (AtomicDq) {
-      __syncthreads(); /* RAW: every warp's keys of dS^T are in shared memory */
-      accumulate_dq<D, BC>(dSt, Ks, dq_accum + (bh * nq + i0) * D, nq - i0);
-    }
-    __syncthreads(); /* WAR: every warp is done with buffer `buf` before tile t + 2 fills it
-                      * (and, with AtomicDq, with dS^T before the next tile rewrites it) */
+    if (AtomicDq || Split > 1)
+      __syncthreads(); /* RAW: the whole tile's dS^T (and P^T) are in shared memory */
+    if (Split > 1)
+#pragma unroll
+      for (int n2 = 0; n2 < Br_bwd / MmaK; n2++) { /* every query step, the warp's columns */
+        unsigned p_frag[KeyFrags][4], ds_frag[KeyFrags][4];
+#pragma unroll
+        for (int f = 0; f < KeyFrags; f++) {
+          ldmatrix_x4(p_frag[f], a_operand<Br_bwd>(Pt, jw - j0 + f * MmaM, n2 * MmaK));
+          ldmatrix_x4(ds_frag[f], a_operand<Br_bwd>(dSt, jw - j0 + f * MmaM, n2 * MmaK));
+        }
+        update_dkdv<D, Cols, KeyFrags>(p_frag, ds_frag, dOt, Qt, n2, c0, dv_acc, dk_acc);
+      }
+    if (AtomicDq) accumulate_dq<D, BC>(dSt, Ks, dq_accum + (bh * nq + i0) * D, nq - i0);
   }
   __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
-  const float dk_factor[2] = {scale, scale}, dv_factor[2] = {1.f, 1.f};
-  store_tile<D, 1>(dk_acc, dk_factor, dk + (bh * nkv + jw) * D, nkv - jw);
-  store_tile<D, 1>(dv_acc, dv_factor, dv + (bh * nkv + jw) * D, nkv - jw);
+  float dk_factor[2 * KeyFrags], dv_factor[2 * KeyFrags];
+#pragma unroll
+  for (int h = 0; h < 2 * KeyFrags; h++) dk_factor[h] = scale, dv_factor[h] = 1.f;
+  store_tile<Cols, KeyFrags>(dk_acc, dk_factor, dk + (bh * nkv + jw) * D + c0, nkv - jw, D);
+  store_tile<Cols, KeyFrags>(dv_acc, dv_factor, dv + (bh * nkv + jw) * D + c0, nkv - jw, D);
 }
 
 /* A warp per 16 query rows, keeping dQ in accumulators while it walks the key tiles like the
@@ -917,7 +984,7 @@ static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const floa
                              dkdv_bytes<T>(D, BC), "flash_backward_dkdv_kernel");
   unsigned key_blocks = (unsigned)((p->seq_kv + BC - 1) / BC * heads);
   flash_backward_dkdv_kernel<D, BC, AtomicDq>
-      <<<key_blocks, threads_for(BC, MmaM), dkdv_bytes<T>(D, BC), attn_stream()>>>(
+      <<<key_blocks, dkdv_threads(D, BC), dkdv_bytes<T>(D, BC), attn_stream()>>>(
           (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
           (T *)t->dk, (T *)t->dv, dq_accum, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_backward_dkdv_kernel");
