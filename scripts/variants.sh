@@ -37,7 +37,11 @@ for variant in "base=" "$@"; do
   if [ ! -x "$bin" ] || [ "$(cat "$bin.key" 2>/dev/null)" != "$key" ]; then
     echo "variants.sh: building $stage-$label ($flags)" >&2
     # shellcheck disable=SC2086 # the flags are words
-    nvcc -O3 -std=c++20 -arch="sm_$arch" -Icommon $flags "$stage/attention.cu" \
+    # A stage built for an architecture-specific target (10: sm_90a) names it in its
+    # CMakeLists.txt; the others are built for this GPU's.
+    target=-arch="sm_$arch"
+    grep -q "compute_90a" "$stage/CMakeLists.txt" && target=-gencode=arch=compute_90a,code=sm_90a
+    nvcc -O3 -std=c++20 "$target" -Icommon $flags "$stage/attention.cu" \
       "$lib/libattn_gpu.a" "$lib/libattn_common.a" -lm -o "$bin"
     echo "$key" > "$bin.key"
   fi
