@@ -6,7 +6,7 @@ import subprocess
 
 STAGES = ["00_naive", "01_cpu_tiled", "02_online_softmax", "03_cuda_forward",
           "04_shared_memory", "05_causal", "06_backward", "07_tensor_cores",
-          "08_mma_sync", "09_swizzle_pipeline"]
+          "08_mma_sync", "09_swizzle_pipeline", "10_hopper_wgmma"]
 BASELINES = ["cublas_baseline"]
 
 # The result folders the README's table and the GPU plots' CPU bars come from: the devices
