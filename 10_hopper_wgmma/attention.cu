@@ -59,10 +59,16 @@ __host__ __device__ constexpr int threads_for(int rows, int warp_rows) {
 }
 /* A warpgroup: 4 consecutive warps, the first a multiple of 4; one wgmma is 64 rows tall. */
 constexpr int WarpgroupThreads = 128, WgmmaM = 64;
-/* Consumer warpgroups per block: 2, so that a block's Q tile is 128 rows (as in 09) and each
- * K and V tile copied into shared memory serves 128 rows. */
-constexpr int Consumers = 2;
-constexpr int Br = Consumers * WgmmaM;
+/* Consumer warpgroups per block: at d = 128, 2, so that a block's Q tile is 128 rows (as in
+ * 09) and each K and V tile copied into shared memory serves 128 rows. At d <= 64 a tile's
+ * products take half as long for the same exponentials, so 3 (FlashAttention-3's 192 rows):
+ * one more warpgroup whose softmax can run while the others' products do.
+ * -DATTN_SMALL_D_CONSUMERS=2 for the alternative. */
+#ifndef ATTN_SMALL_D_CONSUMERS
+#define ATTN_SMALL_D_CONSUMERS 3
+#endif
+__host__ __device__ constexpr int consumers(int d) { return d > 64 ? 2 : ATTN_SMALL_D_CONSUMERS; }
+__host__ __device__ constexpr int block_rows(int d) { return consumers(d) * WgmmaM; }
 /* Keys per tile: 128, the N of S = Q K^T's wgmma (64 registers of S a thread). An SS wgmma
  * reads its A operand (Q, 64 x 16) again for every instruction: at N = 64 its two operands,
  * 2 + 2 KiB per 64 x 64 x 16, would need about 128 bytes a clock at the tensor cores' rate,
@@ -80,10 +86,16 @@ constexpr int Bc = 128;
 constexpr bool WarpSpecialize = ATTN_WARP_SPECIALIZE, Overlap = ATTN_OVERLAP;
 static_assert(WarpSpecialize || !Overlap, "the overlap is built on the producer warpgroup");
 constexpr int Producers = WarpSpecialize ? 1 : 0; /* warpgroups */
-constexpr int ForwardThreads = (Producers + Consumers) * WarpgroupThreads;
+__host__ __device__ constexpr int forward_threads(int d) {
+  return (Producers + consumers(d)) * WarpgroupThreads;
+}
 /* Registers a thread after setmaxnreg: the producer keeps 24 (it only issues copies), a
- * consumer takes 240; 128 x 24 + 256 x 240 = 64512 of the SM's 65536. */
-constexpr int ProducerRegisters = 24, ConsumerRegisters = 240;
+ * consumer takes what is left, a multiple of 8: 240 of two consumers (128 x 24 + 256 x 240 =
+ * 64512 of the SM's 65536), 160 of three. */
+constexpr int ProducerRegisters = 24;
+__host__ __device__ constexpr int consumer_registers(int d) {
+  return consumers(d) == 2 ? 240 : 160;
+}
 /* K and V tiles in flight: 2 stages of each (160 KiB of shared memory with Q at d = 128), so
  * that the copy of tile t + 1 runs while tile t is multiplied; 1 where the device gives a
  * block less (the tests lower the limit to exercise it). */
@@ -451,7 +463,7 @@ __device__ void warpgroup_sync(int id) {
  * s[BC / 8][4], one wgmma a k-step, Q and K read from shared memory; the caller waits. */
 template <int D, typename T>
 __device__ void compute_qk_scores(const T *Q, const T *K, float (*s)[4]) {
-  constexpr int Cols = box_cols<D, T>(), Atom = 8 * Cols * sizeof(T);
+  constexpr int Cols = box_cols<D, T>(), Atom = 8 * Cols * sizeof(T), Br = block_rows(D);
   wgmma_fence(); /* the softmax's reads of the last S come before this product overwrites it */
 #pragma unroll
   for (int kk = 0; kk < D / MmaK; kk++) {
@@ -596,18 +608,19 @@ __device__ void normalize_output(const float (*acc)[D / MmaN][4], const float *m
  * and room to start the tiles on an atom boundary. */
 template <typename T>
 static constexpr size_t forward_bytes(int d, int stages) {
-  return AtomAlignment + sizeof(T) * (size_t)d * (Br + 2 * (size_t)stages * Bc) +
+  return AtomAlignment + sizeof(T) * (size_t)d * (block_rows(d) + 2 * (size_t)stages * Bc) +
          sizeof(uint64_t) * (1 + 4 * (size_t)stages);
 }
 
 template <int D, int STAGES, typename T>
-__global__ void __launch_bounds__(ForwardThreads, 1)
+__global__ void __launch_bounds__(forward_threads(D), 1)
     flash_forward_kernel(const __grid_constant__ CUtensorMap q_map,
                          const __grid_constant__ CUtensorMap k_map,
                          const __grid_constant__ CUtensorMap v_map, T *__restrict__ o,
                          float *__restrict__ lse, int nq, int nkv, int heads, float scale,
                          int causal) {
-  constexpr int Cols = box_cols<D, T>(), ConsumerWarps = Consumers * WarpgroupThreads / 32;
+  constexpr int Cols = box_cols<D, T>(), Br = block_rows(D), Consumers = consumers(D);
+  constexpr int ConsumerWarps = Consumers * WarpgroupThreads / 32;
   extern __shared__ unsigned char smem_raw[];
   T *Qs = reinterpret_cast<T *>(
       smem_raw + (AtomAlignment - shared_address(smem_raw) % AtomAlignment) % AtomAlignment);
@@ -657,7 +670,7 @@ __global__ void __launch_bounds__(ForwardThreads, 1)
     }
     return; /* nothing below waits for the producer but through the barriers */
   }
-  if (WarpSpecialize) take_registers<ConsumerRegisters>();
+  if (WarpSpecialize) take_registers<consumer_registers(D)>();
   if (!WarpSpecialize && threadIdx.x == 0) {
     load_tile_async<D, Br>(&q_map, i0, bh, Qs, q_full);
     for (int t = 0; t < min(tiles, STAGES); t++) produce(t);
@@ -798,6 +811,7 @@ static CUtensorMap tile_map(const void *tensor, int rows, long heads) {
 template <int D, int STAGES, typename T>
 static void launch_forward(const attn_problem *p, const attn_buffers *t) {
   int heads = p->batch * p->heads;
+  constexpr int Br = block_rows(D);
   dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
   CUtensorMap q_map = tile_map<D, Br, T>(t->q, p->seq_q, heads);
   CUtensorMap k_map = tile_map<D, Bc, T>(t->k, p->seq_kv, heads);
@@ -805,7 +819,7 @@ static void launch_forward(const attn_problem *p, const attn_buffers *t) {
   size_t bytes = forward_bytes<T>(D, STAGES);
   attn_require_shared_memory((const void *)flash_forward_kernel<D, STAGES, T>, bytes,
                              "flash_forward_kernel");
-  flash_forward_kernel<D, STAGES, T><<<grid, ForwardThreads, bytes, attn_stream()>>>(
+  flash_forward_kernel<D, STAGES, T><<<grid, forward_threads(D), bytes, attn_stream()>>>(
       q_map, k_map, v_map, (T *)t->o, t->lse, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_forward_kernel");
 }
