@@ -1,4 +1,5 @@
-# attention_stage(NAME SOURCE [CAUSAL] [BACKWARD] [ANY_DIM] [DIMS d...] [DTYPES t...])
+# attention_stage(NAME SOURCE [CAUSAL] [BACKWARD] [ANY_DIM] [GQA] [CACHE_LENS] [DIMS d...]
+#                 [DTYPES t...])
 #
 # Builds one stage program (a .c file runs on the CPU, a .cu file on the GPU) and registers
 # its CTest cases, named "<stage>.<case>" so that `ctest -R 02_` runs one stage, and
@@ -60,7 +61,7 @@ function(attn_compare_runs stage case kind mode)
 endfunction()
 
 function(attention_stage name source)
-  cmake_parse_arguments(ARG "CAUSAL;BACKWARD;ANY_DIM" "" "DIMS;DTYPES" ${ARGN})
+  cmake_parse_arguments(ARG "CAUSAL;BACKWARD;ANY_DIM;GQA;CACHE_LENS" "" "DIMS;DTYPES" ${ARGN})
   get_filename_component(ext ${source} LAST_EXT)
   if(ext STREQUAL ".cu")
     if(NOT ATTN_CUDA)
@@ -315,6 +316,21 @@ function(attention_stage name source)
   endif()
   if(NOT ARG_DTYPES)
     attn_expect(${name} bad.dtype_fp16 ${kind} 2 "fp32 only" --dtype fp16)
+  endif()
+  # Grouped-query attention and the KV cache: refused where the stage has neither, with the
+  # stage that adds them; where it has them, the K/V heads must divide the query heads.
+  if(ARG_GQA)
+    attn_expect(${name} bad.heads_kv_divides ${kind} 2 "--heads-kv 3 must divide --heads 8" -H 8
+                --heads-kv 3)
+  else()
+    attn_expect(${name} bad.heads_kv ${kind} 2
+                "grouped-query attention, which this stage does not have: it comes in 11_" -H 4
+                --heads-kv 2)
+  endif()
+  attn_expect(${name} bad.heads_kv_zero ${kind} 2 "--heads-kv must be an integer" --heads-kv 0)
+  if(NOT ARG_CACHE_LENS)
+    attn_expect(${name} bad.cache_lens ${kind} 2
+                "--cache-lens is not supported by this stage: .* comes in 11_" --cache-lens random)
   endif()
   if(kind STREQUAL "gpu" AND NOT ARG_ANY_DIM)
     attn_expect(${name} bad.head_dim ${kind} 2 "head dim 40 is not supported" -d 40)

@@ -6,7 +6,8 @@
  * timing, .npy files, result rows) lives here, once, so that a stage file holds only its
  * algorithm and `diff` between two stages shows only the idea that was added.
  *
- * Layout (docs/conventions.md section 1): row-major [B, H, N, d], LSE [B, H, Nq].
+ * Layout (docs/conventions.md section 1): row-major [B, H, N, d], LSE [B, H, Nq]; K and V have
+ * Hkv heads, [B, Hkv, Nkv, d] (grouped-query attention; Hkv = H unless a stage has GQA).
  */
 #ifndef ATTENTION_H
 #define ATTENTION_H
@@ -33,18 +34,28 @@ typedef struct {
   int causal;   /* bottom-right aligned: key j visible to query i iff j <= i + Nkv - Nq */
   float scale;  /* softmax scale, 1/sqrt(d) unless given */
   attn_dtype dtype;
+  /* The fields below were added for grouped-query attention and decode (stage 11); their zero
+   * values mean "as before", so an initialiser that ends at dtype still says what it did. */
+  int heads_kv;          /* Hkv, H % Hkv == 0: query head h reads K/V head h / (H / Hkv); 0 = H */
+  const int *cache_lens; /* NULL, or B host ints: sequence b holds L_b <= Nkv valid keys (its
+                          * KV cache); NULL means every L_b = Nkv. The device copy a GPU stage
+                          * reads is attn_buffers.cache_lens */
 } attn_problem;
 
 /* The buffers a stage reads and writes, all owned by the harness. On a GPU stage they are
  * device pointers; q, k, v, o, d_o, dq, dk, dv hold elements of p->dtype; lse and delta are
  * always float. The harness fills every output with NaN before the stage runs. */
 typedef struct {
-  const void *q, *k, *v; /* [B,H,Nq,d], [B,H,Nkv,d], [B,H,Nkv,d] */
+  const void *q, *k, *v; /* [B,H,Nq,d], [B,Hkv,Nkv,d], [B,Hkv,Nkv,d] */
   void *o;               /* [B,H,Nq,d] */
   float *lse;            /* [B,H,Nq], natural log; written from stage 02 on */
   const void *d_o;       /* [B,H,Nq,d], the backward's incoming gradient */
-  void *dq, *dk, *dv;    /* [B,H,Nq,d], [B,H,Nkv,d], [B,H,Nkv,d] */
+  void *dq, *dk, *dv;    /* [B,H,Nq,d], [B,Hkv,Nkv,d], [B,Hkv,Nkv,d] */
   void *workspace;       /* the bytes the stage asked for through *_workspace() */
+  /* p->cache_lens where the stage runs (B ints, uploaded before any pass is timed), or NULL
+   * when p->cache_lens is NULL. Keys past L_b hold NaN: a stage that reads one into a result
+   * fails the check. */
+  const int *cache_lens;
 } attn_buffers;
 
 typedef size_t (*attn_workspace_fn)(const attn_problem *p);
@@ -65,6 +76,8 @@ typedef struct {
   attn_pass_fn forward;
   attn_workspace_fn backward_workspace; /* NULL before stage 06 */
   attn_pass_fn backward;
+  int has_gqa;        /* 0: --heads-kv other than H is rejected (GQA comes in 11_split_kv_decode) */
+  int has_cache_lens; /* 0: --cache-lens is rejected (the KV cache comes in 11_split_kv_decode) */
 } attn_stage;
 
 int attention_main(const attn_stage *stage, int argc, char **argv);
@@ -74,31 +87,41 @@ extern const attn_device attn_cuda_device; /* common/gpu.cu (GPU stages only) */
 
 /* ---- shapes and indexing ------------------------------------------------------------ */
 
+/* Hkv: p->heads_kv, or H where it is 0 (an initialiser written before GQA existed). */
+static inline int attn_heads_kv(const attn_problem *p) {
+  return p->heads_kv > 0 ? p->heads_kv : p->heads;
+}
+/* Query heads per K/V head: G = H / Hkv. */
+static inline int attn_group(const attn_problem *p) { return p->heads / attn_heads_kv(p); }
 static inline size_t attn_q_elems(const attn_problem *p) {
   return (size_t)p->batch * p->heads * p->seq_q * p->head_dim;
 }
 static inline size_t attn_kv_elems(const attn_problem *p) {
-  return (size_t)p->batch * p->heads * p->seq_kv * p->head_dim;
+  return (size_t)p->batch * attn_heads_kv(p) * p->seq_kv * p->head_dim;
 }
 static inline size_t attn_lse_elems(const attn_problem *p) {
   return (size_t)p->batch * p->heads * p->seq_q;
 }
-/* Where head bh (= b * H + h) starts in a query-side or key-side tensor, in elements. */
+/* Where query head bh (= b * H + h) starts in a query-side tensor, in elements. */
 static inline size_t attn_q_head(const attn_problem *p, long bh) {
   return (size_t)bh * p->seq_q * p->head_dim;
 }
+/* Where the K/V head that query head bh reads starts in a key-side tensor: head
+ * b * Hkv + h / G, which is bh / G (b * H / G = b * Hkv). */
 static inline size_t attn_kv_head(const attn_problem *p, long bh) {
-  return (size_t)bh * p->seq_kv * p->head_dim;
+  return (size_t)(bh / attn_group(p)) * p->seq_kv * p->head_dim;
 }
-/* The offset of key j's visibility: key j is visible to query i iff j <= i + causal_offset. */
-static inline long attn_causal_offset(const attn_problem *p) {
-  return (long)p->seq_kv - (long)p->seq_q;
+/* The valid keys of sequence b: L_b, or Nkv without cache lengths. */
+static inline int attn_cache_len(const attn_problem *p, long b) {
+  return p->cache_lens ? p->cache_lens[b] : p->seq_kv;
 }
-/* Keys visible to query row i: [0, attn_visible_keys(p, i)). */
-static inline int attn_visible_keys(const attn_problem *p, int i) {
-  if (!p->causal) return p->seq_kv;
-  long n = (long)i + attn_causal_offset(p) + 1;
-  return n < 0 ? 0 : (n > p->seq_kv ? p->seq_kv : (int)n);
+/* Keys visible to query row i of sequence b: [0, attn_visible_keys(p, b, i)). Key j is visible
+ * iff j < L_b and, causal, j <= i + L_b - Nq (bottom-right alignment against the cache). */
+static inline int attn_visible_keys(const attn_problem *p, long b, int i) {
+  int len = attn_cache_len(p, b);
+  if (!p->causal) return len;
+  long n = (long)i + len - p->seq_q + 1;
+  return n < 0 ? 0 : (n > len ? len : (int)n);
 }
 double attn_forward_flops(const attn_problem *p);
 double attn_backward_flops(const attn_problem *p);

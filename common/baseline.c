@@ -11,11 +11,11 @@
 
 #include "baseline.h"
 
-/* p_row[j] = softmax of the row's visible logits, rounded to the dtype; returns the count
- * of visible keys and sets *lse (-inf when none). */
-static int baseline_probabilities(const attn_problem *p, const float *q_row, const float *K, int i,
-                                  float *p_row, float *lse) {
-  int d = p->head_dim, visible = attn_visible_keys(p, i);
+/* p_row[j] = softmax of the logits row i of sequence b sees, rounded to the dtype; returns the
+ * count of visible keys and sets *lse (-inf when none). */
+static int baseline_probabilities(const attn_problem *p, const float *q_row, const float *K, long b,
+                                  int i, float *p_row, float *lse) {
+  int d = p->head_dim, visible = attn_visible_keys(p, b, i);
   float m = -INFINITY, l = 0.f;
   for (int j = 0; j < visible; j++) {
     float dot = 0.f;
@@ -39,7 +39,7 @@ void baseline_forward_rows(const attn_problem *p, const float *q, const float *k
     long r = rows ? rows[n] : n, bh = r / p->seq_q;
     int i = (int)(r % p->seq_q);
     const float *K = k + attn_kv_head(p, bh), *V = v + attn_kv_head(p, bh);
-    int visible = baseline_probabilities(p, q + (size_t)r * d, K, i, P, &lse[n]);
+    int visible = baseline_probabilities(p, q + (size_t)r * d, K, bh / p->heads, i, P, &lse[n]);
     memset(acc, 0, sizeof(float) * (size_t)d);
     for (int j = 0; j < visible; j++)
       for (int c = 0; c < d; c++) acc[c] += P[j] * V[(size_t)j * d + c];
@@ -54,6 +54,8 @@ void baseline_backward(const attn_problem *p, const float *q, const float *k, co
   float *P = attn_host_alloc(sizeof(float) * (size_t)nkv, "baseline P");
   float *dP = attn_host_alloc(sizeof(float) * (size_t)nkv, "baseline dP");
   float *dq_row = attn_host_alloc(sizeof(float) * (size_t)d, "baseline dQ row");
+  /* dK and dV in fp32 until the end: under grouped-query attention the G query heads of a group
+   * add into one K/V head's rows, which are rounded once, as a GQA kernel would. */
   float *dk_acc = attn_host_alloc(sizeof(float) * attn_kv_elems(p), "baseline dK");
   float *dv_acc = attn_host_alloc(sizeof(float) * attn_kv_elems(p), "baseline dV");
   memset(dk_acc, 0, sizeof(float) * attn_kv_elems(p));
@@ -65,7 +67,7 @@ void baseline_backward(const attn_problem *p, const float *q, const float *k, co
       const float *Q_i = q + attn_q_head(p, bh) + (size_t)i * d;
       const float *dO_i = d_o + attn_q_head(p, bh) + (size_t)i * d;
       float lse, row_dot = 0.f; /* D_i = rowsum(dO_i * O_i), from O as the dtype stores it */
-      int visible = baseline_probabilities(p, Q_i, K, i, P, &lse);
+      int visible = baseline_probabilities(p, Q_i, K, bh / p->heads, i, P, &lse);
       memset(dq_row, 0, sizeof(float) * (size_t)d);
       for (int j = 0; j < visible; j++)
         for (int c = 0; c < d; c++) dq_row[c] += P[j] * V[(size_t)j * d + c];

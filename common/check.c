@@ -64,22 +64,29 @@ static double max_error_of(const float *got, const double *want, size_t n) {
   return worst;
 }
 
-static double max_abs(const float *x, size_t n) {
+/* max|V| over the keys a stage may read: rows past a sequence's cache length never reach a
+ * result, so they do not scale the tolerance. */
+static double max_abs_kv(const attn_problem *p, const float *x) {
   double m = 0;
-  for (size_t i = 0; i < n; i++) m = fabs(x[i]) > m ? fabs(x[i]) : m;
+  size_t d = (size_t)p->head_dim;
+  for (long bh = 0; bh < (long)p->batch * attn_heads_kv(p); bh++) {
+    size_t n = (size_t)attn_cache_len(p, bh / attn_heads_kv(p)) * d;
+    const float *head = x + (size_t)bh * p->seq_kv * d;
+    for (size_t e = 0; e < n; e++) m = fabs(head[e]) > m ? fabs(head[e]) : m;
+  }
   return m;
 }
 
-/* Prints where the worst element of a [B,H,N,d] (d = 1 for LSE) tensor is. */
+/* Prints where the worst element of a [B,heads,N,d] (d = 1 for LSE) tensor is. */
 static void report(const attn_check_inputs *in, const char *what, const max_error *m, double tol,
-                   int rows, int d) {
+                   int heads, int rows, int d) {
   long r = m->worst / d, c = m->worst % d;
   long bh = r / rows, i = r % rows;
   fprintf(stderr,
           "%s: %s: max |error| %.3e > tol %.3e at b=%ld h=%ld i=%ld c=%ld: got %.9g, reference "
           "%.9g (seed %llu)\n",
-          attn_program_name, what, m->err, tol, bh / in->p->heads, bh % in->p->heads, i, c, m->got,
-          m->want, (unsigned long long)in->seed);
+          attn_program_name, what, m->err, tol, bh / heads, bh % heads, i, c, m->got, m->want,
+          (unsigned long long)in->seed);
 }
 
 /* Every element finite, and LSE = -inf exactly on the rows that see no key. */
@@ -99,7 +106,7 @@ static int lse_well_formed(const attn_check_inputs *in, const float *lse) {
   const attn_problem *p = in->p;
   for (size_t r = 0; r < attn_lse_elems(p); r++) {
     int i = (int)(r % (size_t)p->seq_q);
-    int empty = attn_visible_keys(p, i) == 0;
+    int empty = attn_visible_keys(p, (long)(r / ((size_t)p->heads * p->seq_q)), i) == 0;
     int fine = empty ? (isinf(lse[r]) && lse[r] < 0) : isfinite(lse[r]);
     if (fine) continue;
     fprintf(stderr, "%s: LSE row %zu is %g, expected %s (seed %llu)\n", attn_program_name, r,
@@ -149,7 +156,7 @@ void attn_check_forward(const attn_check_inputs *in, const float *o, const float
   double max_s;
   reference_forward_rows(p, q, k, v, rows, n_rows, o_ref, lse_ref, &max_s);
 
-  double max_v = max_abs(in->v, attn_kv_elems(p));
+  double max_v = max_abs_kv(p, in->v);
   double o_tol = 2e-6 * fmax(1, max_s) * fmax(1, max_v), lse_tol = LSE_REL_FP32 * fmax(1, max_s);
   if (p->dtype != DTYPE_FP32) {
     float *o_base = attn_host_alloc(sizeof(float) * (size_t)n_rows * d, "baseline O");
@@ -174,22 +181,24 @@ void attn_check_forward(const attn_check_inputs *in, const float *o, const float
   int has_closed_form = v_is_constant || q_is_zero || p->seq_kv == 1;
   for (long n = 0; has_closed_form && n < n_rows; n++) {
     long r = rows[n], bh = r / p->seq_q;
-    int visible = attn_visible_keys(p, (int)(r % p->seq_q));
+    int visible = attn_visible_keys(p, bh / p->heads, (int)(r % p->seq_q));
     if (visible == 0) continue;
+    const double *v_head = v + attn_kv_head(p, bh);
     for (int c = 0; c < d; c++) {
       double want = 0;
       if (v_is_constant || p->seq_kv == 1) {
-        want = v[(bh * p->seq_kv) * d + c];
+        want = v_head[c];
       } else {
-        for (int j = 0; j < visible; j++) want += v[(bh * p->seq_kv + j) * d + c];
+        for (int j = 0; j < visible; j++) want += v_head[(size_t)j * d + c];
         want /= visible;
       }
       track(&ea, r * d + c, o[r * d + c], want);
     }
   }
-  if (!(eo.err <= o_tol)) *ok = 0, report(in, "O", &eo, o_tol, p->seq_q, d);
-  if (!(el.err <= lse_tol)) *ok = 0, report(in, "LSE", &el, lse_tol, p->seq_q, 1);
-  if (!(ea.err <= o_tol)) *ok = 0, report(in, "O against its closed form", &ea, o_tol, p->seq_q, d);
+  if (!(eo.err <= o_tol)) *ok = 0, report(in, "O", &eo, o_tol, p->heads, p->seq_q, d);
+  if (!(el.err <= lse_tol)) *ok = 0, report(in, "LSE", &el, lse_tol, p->heads, p->seq_q, 1);
+  if (!(ea.err <= o_tol))
+    *ok = 0, report(in, "O against its closed form", &ea, o_tol, p->heads, p->seq_q, d);
   *err = eo.err, *tol = o_tol;
   free(rows), free(q), free(k), free(v), free(o_ref), free(lse_ref);
 }
@@ -233,6 +242,7 @@ void attn_check_backward(const attn_check_inputs *in, const float *o, const floa
   const float *got[3] = {dq, dk, dv};
   size_t counts[3] = {nq, nkv, nkv};
   int rows[3] = {p->seq_q, p->seq_kv, p->seq_kv};
+  int heads[3] = {p->heads, attn_heads_kv(p), attn_heads_kv(p)};
   const int m_factor[3] = {M_DQ, M_DKDV, M_DKDV};
   float *base[3] = {NULL, NULL, NULL};
   if (p->dtype != DTYPE_FP32) {
@@ -250,7 +260,7 @@ void attn_check_backward(const attn_check_inputs *in, const float *o, const floa
               rounding_floor(ref[g], counts[g], p->dtype);
     max_error m = {0, -1, 0, 0};
     for (size_t e = 0; e < counts[g]; e++) track(&m, (long)e, got[g][e], ref[g][e]);
-    if (!(m.err <= g_tol)) *ok = 0, report(in, names[g], &m, g_tol, rows[g], p->head_dim);
+    if (!(m.err <= g_tol)) *ok = 0, report(in, names[g], &m, g_tol, heads[g], rows[g], p->head_dim);
     if (g == 0 || !(m.err / g_tol <= *err / *tol)) *err = m.err, *tol = g_tol;
   }
   free(q), free(k), free(v), free(d_o), free(o_ref), free(lse_ref);

@@ -50,6 +50,19 @@ int attn_deterministic(void) {
   return 1;
 }
 
+int attn_decode_chunk_keys(void) {
+  enum { MAX_CHUNK_KEYS = 1 << 24 }; /* the largest --seq-kv: no chunk needs more keys */
+  const char *text = getenv("ATTN_DECODE_CHUNK_KEYS");
+  if (!text || !*text) return 0;
+  char *end;
+  errno = 0;
+  long keys = strtol(text, &end, 10);
+  if (errno || end == text || *end || keys <= 0 || keys > MAX_CHUNK_KEYS)
+    attn_fail(EXIT_BAD_USAGE, "ATTN_DECODE_CHUNK_KEYS must be a key count in 1..%d, got '%s'",
+              MAX_CHUNK_KEYS, text);
+  return (int)keys;
+}
+
 /* Per thread: PyTorch runs backward passes on threads of its own. 0: the legacy stream. */
 static thread_local cudaStream_t attn_launch_stream;
 cudaStream_t attn_stream(void) { return attn_launch_stream; }

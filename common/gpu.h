@@ -26,6 +26,13 @@ size_t attn_shared_memory_limit(void);
  * takes its deterministic path. Any other value but unset or 0 is a usage error. */
 int attn_deterministic(void);
 
+/* The chunk length a decode stage (11) splits every sequence's keys into, from the environment
+ * variable ATTN_DECODE_CHUNK_KEYS, instead of the stage's own rule: so that tests can put a
+ * cache length exactly on a chunk boundary and one key past it, and a measurement can compare
+ * chunk lengths without rebuilding. 0 when unset (or empty); anything but a positive key count
+ * is a usage error. */
+int attn_decode_chunk_keys(void);
+
 /* The stream every launch of a stage goes to (its fourth launch parameter): the legacy
  * default stream (0) in the stage programs, whose timing records its events there; the
  * Python package sets PyTorch's current stream around each call (common/stage_library.cu). */

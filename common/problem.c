@@ -26,8 +26,15 @@ double attn_rng_normal(attn_rng *r) {
   return sqrt(-2.0 * log(u1)) * cos(two_pi * u2);
 }
 
-/* FlashAttention's convention: 2 matmuls of 2*Nq*Nkv*d each, halved when causal (Nq = Nkv). */
+/* FlashAttention's convention: 2 matmuls of 2*Nq*Nkv*d each, halved when causal (Nq = Nkv).
+ * With cache lengths each sequence counts its own L_b keys instead of Nkv (and no halving:
+ * decode has Nq far below L_b, where the causal mask removes almost nothing). */
 double attn_forward_flops(const attn_problem *p) {
+  if (p->cache_lens) {
+    double keys = 0;
+    for (int b = 0; b < p->batch; b++) keys += p->cache_lens[b];
+    return 4.0 * p->heads * (double)p->seq_q * keys * p->head_dim;
+  }
   double f = 4.0 * p->batch * p->heads * (double)p->seq_q * p->seq_kv * p->head_dim;
   return (p->causal && p->seq_q == p->seq_kv) ? f / 2 : f;
 }

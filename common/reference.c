@@ -15,10 +15,10 @@ static void split_row(const attn_problem *p, long r, long *bh, int *i) {
   *i = (int)(r % p->seq_q);
 }
 
-/* s[j] = scale * q . k_j for the keys row i sees; returns their count. */
-static int row_logits(const attn_problem *p, const double *q_row, const double *k_head, int i,
-                      double *s) {
-  int d = p->head_dim, visible = attn_visible_keys(p, i);
+/* s[j] = scale * q . k_j for the keys row i of sequence b sees; returns their count. */
+static int row_logits(const attn_problem *p, const double *q_row, const double *k_head, long b,
+                      int i, double *s) {
+  int d = p->head_dim, visible = attn_visible_keys(p, b, i);
   for (int j = 0; j < visible; j++) {
     double dot = 0;
     for (int c = 0; c < d; c++) dot += q_row[c] * k_head[(size_t)j * d + c];
@@ -47,8 +47,9 @@ void reference_forward_rows(const attn_problem *p, const double *q, const double
     long r = rows ? rows[n] : n, bh;
     int i;
     split_row(p, r, &bh, &i);
-    const double *k_head = k + (size_t)bh * p->seq_kv * d, *v_head = v + (size_t)bh * p->seq_kv * d;
-    int visible = row_logits(p, q + (size_t)r * d, k_head, i, s);
+    /* Query head bh reads K/V head bh / G (grouped-query attention; G = 1 without it). */
+    const double *k_head = k + attn_kv_head(p, bh), *v_head = v + attn_kv_head(p, bh);
+    int visible = row_logits(p, q + (size_t)r * d, k_head, bh / p->heads, i, s);
     for (int j = 0; j < visible; j++) s_max = fabs(s[j]) > s_max ? fabs(s[j]) : s_max;
     lse[n] = softmax_in_place(s, visible);
     double *o_row = o + (size_t)n * d;
@@ -65,28 +66,32 @@ void reference_forward_rows(const attn_problem *p, const double *q, const double
  *   dP_ij = dO_i . V_j
  *   dS_ij = P_ij (dP_ij - sum_l P_il dP_il) + w_i P_ij      (softmax and LSE backward)
  *   dQ_i = scale sum_j dS_ij K_j,   dK_j = scale sum_i dS_ij Q_i
- * Masked entries have P = 0, so they get no gradient, and a row that sees no key gives 0. */
+ * Masked entries have P = 0, so they get no gradient, and a row that sees no key gives 0.
+ * Under grouped-query attention the G query heads of a group read one K/V head, so its dK
+ * and dV are the sums of the G heads' contributions: every head adds into the same rows. */
 void reference_backward(const attn_problem *p, const double *q, const double *k, const double *v,
                         const double *d_o, const double *w_lse, double *dq, double *dk, double *dv,
                         double *ds) {
   int d = p->head_dim, nq = p->seq_q, nkv = p->seq_kv;
   double *P = attn_host_alloc(sizeof(double) * (size_t)nq * nkv, "reference P");
   double *dP = attn_host_alloc(sizeof(double) * (size_t)nq * nkv, "reference dP");
+  memset(dk, 0, sizeof(double) * attn_kv_elems(p));
+  memset(dv, 0, sizeof(double) * attn_kv_elems(p));
   for (long bh = 0; bh < (long)p->batch * p->heads; bh++) {
-    const double *Q = q + (size_t)bh * nq * d, *K = k + (size_t)bh * nkv * d;
-    const double *V = v + (size_t)bh * nkv * d, *dO = d_o + (size_t)bh * nq * d;
-    double *dQ = dq + (size_t)bh * nq * d, *dK = dk + (size_t)bh * nkv * d;
-    double *dV = dv + (size_t)bh * nkv * d;
+    const double *Q = q + attn_q_head(p, bh), *K = k + attn_kv_head(p, bh);
+    const double *V = v + attn_kv_head(p, bh), *dO = d_o + attn_q_head(p, bh);
+    double *dQ = dq + attn_q_head(p, bh), *dK = dk + attn_kv_head(p, bh);
+    double *dV = dv + attn_kv_head(p, bh);
+    /* Keys past the cache's L_b are never read: their gradients stay 0. */
+    int len = attn_cache_len(p, bh / p->heads);
     memset(dQ, 0, sizeof(double) * (size_t)nq * d);
-    memset(dK, 0, sizeof(double) * (size_t)nkv * d);
-    memset(dV, 0, sizeof(double) * (size_t)nkv * d);
     for (int i = 0; i < nq; i++) {
       double *P_row = P + (size_t)i * nkv, *dP_row = dP + (size_t)i * nkv;
-      int visible = row_logits(p, Q + (size_t)i * d, K, i, P_row);
+      int visible = row_logits(p, Q + (size_t)i * d, K, bh / p->heads, i, P_row);
       softmax_in_place(P_row, visible);
       for (int j = visible; j < nkv; j++) P_row[j] = 0;
       double row_dot = 0; /* sum_j P_ij dP_ij */
-      for (int j = 0; j < nkv; j++) {
+      for (int j = 0; j < len; j++) {
         double dot = 0;
         for (int c = 0; c < d; c++) dot += dO[(size_t)i * d + c] * V[(size_t)j * d + c];
         dP_row[j] = dot;
@@ -94,8 +99,9 @@ void reference_backward(const attn_problem *p, const double *q, const double *k,
       }
       double w = w_lse ? w_lse[(size_t)bh * nq + i] : 0;
       for (int j = 0; j < nkv; j++) {
-        double dS = P_row[j] * (dP_row[j] - row_dot) + w * P_row[j];
+        double dS = j < len ? P_row[j] * (dP_row[j] - row_dot) + w * P_row[j] : 0;
         if (ds) ds[((size_t)bh * nq + i) * nkv + j] = dS;
+        if (j >= len) continue;
         for (int c = 0; c < d; c++) {
           dV[(size_t)j * d + c] += P_row[j] * dO[(size_t)i * d + c];
           dQ[(size_t)i * d + c] += p->scale * dS * K[(size_t)j * d + c];

@@ -35,8 +35,10 @@ typedef enum { PATTERN_RANDN, PATTERN_CONST_V, PATTERN_ZERO_Q } input_pattern;
 
 typedef struct {
   attn_problem p;
-  int given_batch, given_heads, given_seq_q, given_seq_kv, given_dim, given_scale;
+  int given_batch, given_heads, given_heads_kv, given_seq_q, given_seq_kv, given_dim, given_scale;
   int given_check;
+  const char *cache_lens_text; /* --cache-lens, parsed once B and Nkv are known */
+  int *cache_lens;             /* what p.cache_lens points to */
   uint64_t seed;
   int check, bench, backward, check_finite;
   const char *load_dir, *save_dir, *tsv_path;
@@ -50,6 +52,8 @@ static void usage(const attn_stage *s) {
       "usage: %s [options]\n"
       "  -b, --batch B      batch size (default %d)\n"
       "  -H, --heads H      heads (default %d)\n"
+      "      --heads-kv HKV key/value heads, a divisor of H: query head h reads K/V head\n"
+      "                     h / (H / HKV) (grouped-query attention; default H)\n"
       "  -n, --seq N        sequence length of queries and keys (default %d)\n"
       "      --seq-q NQ     query length (overrides --seq)\n"
       "      --seq-kv NKV   key/value length (overrides --seq)\n"
@@ -58,6 +62,10 @@ static void usage(const attn_stage *s) {
       "      --scale S      softmax scale (default 1/sqrt(d))\n"
       "      --seed S       seed of the input generator (default %d)\n"
       "      --dtype T      fp32|fp16|bf16 (stages that have it)\n"
+      "      --cache-lens L decode against a KV cache: L0,L1,... (B lengths, each 0..Nkv) or\n"
+      "                     'random' (uniform in 1..Nkv, from --seed); sequence b holds L_b\n"
+      "                     valid keys (Nkv is the cache's capacity), causal is bottom-right\n"
+      "                     against L_b, and Nq is 1 unless --seq-q says otherwise\n"
       "      --check        compare with the float64 reference, exit 1 on a mismatch\n"
       "                     (on by default unless --bench is given)\n"
       "      --check-finite only check that every output is finite, LSE -inf exactly on\n"
@@ -80,7 +88,7 @@ static void usage(const attn_stage *s) {
 }
 
 /* One machine-readable line for the scripts: name, kind, head dims, dtypes, causal,
- * backward, idea (tab-separated). */
+ * backward, idea, grouped-query attention, cache lengths (tab-separated). */
 static void describe(const attn_stage *s) {
   printf("%s\t%s\t", s->name, s->device->kind);
   for (int i = 0; i < 8 && s->head_dims[i]; i++) printf(i ? ",%d" : "%d", s->head_dims[i]);
@@ -89,7 +97,8 @@ static void describe(const attn_stage *s) {
   const char *sep = "\t";
   for (int t = DTYPE_FP32; t <= DTYPE_BF16; t++)
     if (dtypes & DTYPE_BIT(t)) printf("%s%s", sep, attn_dtype_name((attn_dtype)t)), sep = ",";
-  printf("\t%d\t%d\t%s\n", s->has_causal, s->backward != NULL, s->idea);
+  printf("\t%d\t%d\t%s\t%d\t%d\n", s->has_causal, s->backward != NULL, s->idea, s->has_gqa,
+         s->has_cache_lens);
 }
 
 static long parse_int(const char *opt, const char *text) {
@@ -127,6 +136,8 @@ enum {
   OPT_INPUTS,
   OPT_INPUT_SCALE,
   OPT_DESCRIBE,
+  OPT_HEADS_KV,
+  OPT_CACHE_LENS,
 };
 
 static const struct option long_options[] = {
@@ -134,6 +145,7 @@ static const struct option long_options[] = {
     {"describe", no_argument, NULL, OPT_DESCRIBE},
     {"batch", required_argument, NULL, 'b'},
     {"heads", required_argument, NULL, 'H'},
+    {"heads-kv", required_argument, NULL, OPT_HEADS_KV},
     {"seq", required_argument, NULL, 'n'},
     {"seq-q", required_argument, NULL, OPT_SEQ_Q},
     {"seq-kv", required_argument, NULL, OPT_SEQ_KV},
@@ -142,6 +154,7 @@ static const struct option long_options[] = {
     {"scale", required_argument, NULL, OPT_SCALE},
     {"seed", required_argument, NULL, OPT_SEED},
     {"dtype", required_argument, NULL, OPT_DTYPE},
+    {"cache-lens", required_argument, NULL, OPT_CACHE_LENS},
     {"check", no_argument, NULL, OPT_CHECK},
     {"check-finite", no_argument, NULL, OPT_CHECK_FINITE},
     {"bench", no_argument, NULL, OPT_BENCH},
@@ -216,6 +229,10 @@ static void parse_options(const attn_stage *s, int argc, char **argv, options *o
       case OPT_DESCRIBE: describe(s), exit(EXIT_OK);
       case 'b': o->p.batch = (int)parse_int("--batch", v), o->given_batch = 1; break;
       case 'H': o->p.heads = (int)parse_int("--heads", v), o->given_heads = 1; break;
+      case OPT_HEADS_KV:
+        o->p.heads_kv = (int)parse_int("--heads-kv", v), o->given_heads_kv = 1;
+        break;
+      case OPT_CACHE_LENS: o->cache_lens_text = v; break;
       case 'n': seq_given = (int)parse_int("--seq", v); break;
       case OPT_SEQ_Q: o->p.seq_q = (int)parse_int("--seq-q", v), o->given_seq_q = 1; break;
       case OPT_SEQ_KV: o->p.seq_kv = (int)parse_int("--seq-kv", v), o->given_seq_kv = 1; break;
@@ -278,6 +295,9 @@ static void parse_options(const attn_stage *s, int argc, char **argv, options *o
     attn_fail(EXIT_BAD_USAGE,
               "unexpected argument '%s': every value follows its option (see --help)",
               argv[optind]);
+  /* Decode: one new query per sequence, unless --seq-q (or a loaded q.npy) says otherwise;
+   * --seq then sets the cache's capacity. */
+  if (o->cache_lens_text && !o->given_seq_q && !o->load_dir) o->p.seq_q = 1, o->given_seq_q = 1;
   if (seq_given) {
     if (!o->given_seq_q) o->p.seq_q = seq_given, o->given_seq_q = 1;
     if (!o->given_seq_kv) o->p.seq_kv = seq_given, o->given_seq_kv = 1;
@@ -314,6 +334,71 @@ static void validate_for_stage(const attn_stage *s, const options *o) {
   if (o->backward && !s->backward)
     attn_fail(EXIT_BAD_USAGE,
               "--backward is not supported by this stage: the backward comes in 06_backward");
+  int hkv = attn_heads_kv(p);
+  if (hkv != p->heads && !s->has_gqa)
+    attn_fail(EXIT_BAD_USAGE,
+              "%d K/V heads for %d query heads (--heads-kv, or k.npy's shape) is grouped-query "
+              "attention, which this stage does not have: it comes in 11_split_kv_decode",
+              hkv, p->heads);
+  if (p->heads % hkv != 0)
+    attn_fail(EXIT_BAD_USAGE,
+              "--heads-kv %d must divide --heads %d: query head h reads K/V head h / (H / Hkv)",
+              hkv, p->heads);
+  if (o->cache_lens_text && !s->has_cache_lens)
+    attn_fail(EXIT_BAD_USAGE,
+              "--cache-lens is not supported by this stage: decoding against a KV cache comes in "
+              "11_split_kv_decode");
+  if (o->backward && (hkv != p->heads || o->cache_lens_text))
+    attn_fail(EXIT_BAD_USAGE,
+              "--backward is not supported with %s: no stage has a backward for grouped-query "
+              "attention or a KV cache (decode needs none)",
+              hkv != p->heads ? "--heads-kv other than --heads" : "--cache-lens");
+}
+
+/* A stream of the generator for --cache-lens random, apart from the inputs' (any constant
+ * would do; this one spells "cache" in ASCII): a seed's Q, K and V are the same with or
+ * without cache lengths. */
+#define CACHE_LENS_STREAM 0x6361636865ull
+
+/* --cache-lens, now that B and Nkv are known: B comma-separated lengths in 0..Nkv, or
+ * "random": L_b = 1 + floor(u_b Nkv), u_b uniform in (0, 1) from SplitMix64 seeded with
+ * --seed XOR CACHE_LENS_STREAM, so uniform in 1..Nkv. */
+static void parse_cache_lens(options *o) {
+  attn_problem *p = &o->p;
+  const char *text = o->cache_lens_text;
+  if (!text) return;
+  o->cache_lens = attn_host_alloc(sizeof(int) * (size_t)p->batch, "cache lengths");
+  if (strcmp(text, "random") == 0) {
+    attn_rng rng;
+    attn_rng_seed(&rng, o->seed ^ CACHE_LENS_STREAM);
+    for (int b = 0; b < p->batch; b++)
+      o->cache_lens[b] = 1 + (int)(attn_rng_uniform(&rng) * p->seq_kv);
+  } else {
+    int n = 0;
+    for (const char *c = text;;) {
+      char *end;
+      errno = 0;
+      long len = strtol(c, &end, 10);
+      if (errno || end == c || (*end && *end != ','))
+        attn_fail(EXIT_BAD_USAGE,
+                  "--cache-lens must be 'random' or B comma-separated lengths, got '%s'", text);
+      if (n == p->batch)
+        attn_fail(EXIT_BAD_USAGE, "--cache-lens gives more than B = %d lengths: '%s'", p->batch,
+                  text);
+      if (len < 0 || len > p->seq_kv)
+        attn_fail(EXIT_BAD_USAGE,
+                  "--cache-lens: sequence %d holds %ld keys, outside 0..%d (Nkv, the cache's "
+                  "capacity)",
+                  n, len, p->seq_kv);
+      o->cache_lens[n++] = (int)len;
+      if (!*end) break;
+      c = end + 1;
+    }
+    if (n != p->batch)
+      attn_fail(EXIT_BAD_USAGE, "--cache-lens gives %d lengths, expected one per sequence (B = %d)",
+                n, p->batch);
+  }
+  p->cache_lens = o->cache_lens;
 }
 
 /* ---- inputs -------------------------------------------------------------------------- */
@@ -346,7 +431,7 @@ static void apply_pattern(const options *o, host_inputs *in) {
   size_t d = (size_t)p->head_dim, nkv = (size_t)p->seq_kv;
   if (o->pattern == PATTERN_ZERO_Q) memset(in->q, 0, sizeof(float) * attn_q_elems(p));
   if (o->pattern == PATTERN_CONST_V)
-    for (size_t bh = 0; bh < (size_t)p->batch * p->heads; bh++)
+    for (size_t bh = 0; bh < (size_t)p->batch * attn_heads_kv(p); bh++)
       for (size_t j = 1; j < nkv; j++)
         memcpy(in->v + (bh * nkv + j) * d, in->v + bh * nkv * d, sizeof(float) * d);
 }
@@ -404,7 +489,7 @@ static void round_inputs_or_refuse(const options *o, host_inputs *in) {
       for (size_t c = 0; c < d; c++) sum += (double)q[c] * q[c];
       max_q = fmax(max_q, sqrt(sum));
     }
-    for (size_t j = 0; j < (size_t)p->seq_kv; j++) {
+    for (size_t j = 0; j < (size_t)attn_cache_len(p, bh / p->heads); j++) {
       const float *k = in->k + attn_kv_head(p, bh) + j * d;
       double sum = 0;
       for (size_t c = 0; c < d; c++) sum += (double)k[c] * k[c];
@@ -427,7 +512,7 @@ static void npy_path(char *buf, size_t len, const char *dir, const char *name) {
   snprintf(buf, len, "%s/%s", dir, name);
 }
 
-/* Sizes not given on the command line come from q.npy [B,H,Nq,d] and k.npy [B,H,Nkv,d]. */
+/* Sizes not given on the command line come from q.npy [B,H,Nq,d] and k.npy [B,Hkv,Nkv,d]. */
 static void shape_from_files(options *o) {
   char path[4096], err[512];
   size_t shape[NPY_MAX_DIMS];
@@ -443,7 +528,8 @@ static void shape_from_files(options *o) {
         attn_fail(EXIT_BAD_USAGE, "%s: dimension %d is %zu, expected 1..%d", path, i, shape[i],
                   MAX_SIZE);
     if (!o->given_batch) o->p.batch = (int)shape[0];
-    if (!o->given_heads) o->p.heads = (int)shape[1];
+    if (f == 0 && !o->given_heads) o->p.heads = (int)shape[1];
+    if (f == 1 && !o->given_heads_kv) o->p.heads_kv = (int)shape[1];
     if (!o->given_dim) o->p.head_dim = (int)shape[3];
     if (f == 0 && !o->given_seq_q) o->p.seq_q = (int)shape[2];
     if (f == 1 && !o->given_seq_kv) o->p.seq_kv = (int)shape[2];
@@ -453,7 +539,7 @@ static void shape_from_files(options *o) {
 static void load_inputs(const options *o, host_inputs *in) {
   const attn_problem *p = &o->p;
   size_t q_shape[4] = {(size_t)p->batch, (size_t)p->heads, (size_t)p->seq_q, (size_t)p->head_dim};
-  size_t kv_shape[4] = {q_shape[0], q_shape[1], (size_t)p->seq_kv, q_shape[3]};
+  size_t kv_shape[4] = {q_shape[0], (size_t)attn_heads_kv(p), (size_t)p->seq_kv, q_shape[3]};
   struct {
     const char *name;
     float *dst;
@@ -507,6 +593,22 @@ static void *upload_tensor(allocator *a, const float *x, size_t n, attn_dtype t,
     free(h);
   }
   return d;
+}
+
+/* K or V as the stage sees it: with cache lengths, the rows past each sequence's L_b are NaN,
+ * so that a stage that reads one into a result fails the check. The host copy, which the
+ * reference and --save use, keeps the generated values. */
+static void *upload_kv(allocator *a, const attn_problem *p, const float *x, const char *what) {
+  size_t n = attn_kv_elems(p), d = (size_t)p->head_dim, nkv = (size_t)p->seq_kv;
+  if (!p->cache_lens) return upload_tensor(a, x, n, p->dtype, what);
+  float *poisoned = attn_host_alloc(n * sizeof(float), what);
+  memcpy(poisoned, x, n * sizeof(float));
+  for (long bh = 0; bh < (long)p->batch * attn_heads_kv(p); bh++)
+    for (size_t j = (size_t)attn_cache_len(p, bh / attn_heads_kv(p)); j < nkv; j++)
+      for (size_t c = 0; c < d; c++) poisoned[(bh * nkv + j) * d + c] = NAN;
+  void *dev = upload_tensor(a, poisoned, n, p->dtype, what);
+  free(poisoned);
+  return dev;
 }
 
 static void download_tensor(const attn_device *dev, float *x, const void *d, size_t n,
@@ -570,12 +672,21 @@ static void human_bytes(char *buf, size_t len, double bytes) {
 }
 
 static void print_line(const attn_stage *s, const attn_problem *p, const pass_result *r) {
-  char shape[96], ws[32], rate[32], check[64];
-  if (p->seq_q == p->seq_kv)
-    snprintf(shape, sizeof shape, "B=%d H=%d N=%d d=%d", p->batch, p->heads, p->seq_q, p->head_dim);
+  char shape[160], heads[32] = "", lens[48] = "", ws[32], rate[32], check[64];
+  if (attn_heads_kv(p) != p->heads) snprintf(heads, sizeof heads, " Hkv=%d", attn_heads_kv(p));
+  if (p->cache_lens) {
+    int lo = p->seq_kv, hi = 0;
+    for (int b = 0; b < p->batch; b++)
+      lo = p->cache_lens[b] < lo ? p->cache_lens[b] : lo,
+      hi = p->cache_lens[b] > hi ? p->cache_lens[b] : hi;
+    snprintf(lens, sizeof lens, " L=%d..%d", lo, hi);
+  }
+  if (p->seq_q == p->seq_kv && !p->cache_lens)
+    snprintf(shape, sizeof shape, "B=%d H=%d%s N=%d d=%d", p->batch, p->heads, heads, p->seq_q,
+             p->head_dim);
   else
-    snprintf(shape, sizeof shape, "B=%d H=%d Nq=%d Nkv=%d d=%d", p->batch, p->heads, p->seq_q,
-             p->seq_kv, p->head_dim);
+    snprintf(shape, sizeof shape, "B=%d H=%d%s Nq=%d Nkv=%d%s d=%d", p->batch, p->heads, heads,
+             p->seq_q, p->seq_kv, lens, p->head_dim);
   human_bytes(ws, sizeof ws, (double)r->workspace);
   double tflops = r->flops / (r->ms * 1e-3) / 1e12;
   if (tflops >= 1)
@@ -616,9 +727,12 @@ static void check_host_memory(const attn_stage *s, const options *o) {
   const attn_problem *p = &o->p;
   /* In double, not size_t: B x H x N x d of sizes up to 2^24 can wrap a 64-bit count. */
   double nlse = (double)p->batch * p->heads * p->seq_q;
-  double nq = nlse * p->head_dim, nkv = (double)p->batch * p->heads * p->seq_kv * p->head_dim;
+  double nq = nlse * p->head_dim,
+         nkv = (double)p->batch * attn_heads_kv(p) * p->seq_kv * p->head_dim;
   double grads = o->backward ? 2 * nq + 2 * nkv : 0;
   double bytes = 4 * (2 * nq + 2 * nkv + 2 * nlse + 2 * grads); /* inputs, outputs, copies */
+  /* With cache lengths, K or V is copied once more, with NaN past the caches, to upload it. */
+  if (p->cache_lens) bytes += 4 * nkv;
   if (s->device == &attn_host_device) /* the CPU stage's own buffers live here too */
     bytes += 4 * (2 * nq + 2 * nkv + nlse + grads) +
              (s->forward_workspace ? (double)s->forward_workspace(p) : 0);
@@ -667,7 +781,9 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
   if (o.load_dir) shape_from_files(&o);
   attn_problem *p = &o.p;
   if (!o.given_scale) p->scale = (float)(1.0 / sqrt((double)p->head_dim));
+  if (p->heads_kv == 0) p->heads_kv = p->heads; /* neither --heads-kv nor a k.npy said */
   validate_for_stage(s, &o);
+  parse_cache_lens(&o);
 
   /* Host inputs, as the stage sees them (rounded to its dtype). */
   host_inputs in = {0};
@@ -695,8 +811,13 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
   allocator a = {s->device, 0};
   attn_buffers t = {0};
   t.q = upload_tensor(&a, in.q, nq, p->dtype, "Q");
-  t.k = upload_tensor(&a, in.k, nkv, p->dtype, "K");
-  t.v = upload_tensor(&a, in.v, nkv, p->dtype, "V");
+  t.k = upload_kv(&a, p, in.k, "K");
+  t.v = upload_kv(&a, p, in.v, "V");
+  if (p->cache_lens) { /* the stage's own copy, uploaded once, before anything is timed */
+    void *lens = dev_alloc(&a, sizeof(int) * (size_t)p->batch, "cache lengths");
+    s->device->upload(lens, p->cache_lens, sizeof(int) * (size_t)p->batch);
+    t.cache_lens = lens;
+  }
   t.o = dev_alloc(&a, nq * attn_dtype_size(p->dtype), "O");
   t.lse = dev_alloc(&a, nlse * sizeof(float), "LSE");
   size_t fwd_workspace = s->forward_workspace ? s->forward_workspace(p) : 0;
@@ -771,7 +892,7 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
   }
   if (o.save_dir) { /* the folder exists: check_outputs_writable() made it */
     size_t q_shape[4] = {(size_t)p->batch, (size_t)p->heads, (size_t)p->seq_q, (size_t)p->head_dim};
-    size_t kv_shape[4] = {q_shape[0], q_shape[1], (size_t)p->seq_kv, q_shape[3]};
+    size_t kv_shape[4] = {q_shape[0], (size_t)attn_heads_kv(p), (size_t)p->seq_kv, q_shape[3]};
     /* The inputs as the stage saw them, so that --load of this folder reruns the case. */
     save_array(&o, "q.npy", in.q, q_shape, 4);
     save_array(&o, "k.npy", in.k, kv_shape, 4);
@@ -786,11 +907,13 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
     }
   }
 
-  void *device_buffers[] = {(void *)t.q, (void *)t.k,   (void *)t.v, t.o,  t.lse,
-                            t.workspace, (void *)t.d_o, t.dq,        t.dk, t.dv};
+  void *device_buffers[] = {(void *)t.q, (void *)t.k, (void *)t.v,         t.o,
+                            t.lse,       t.workspace, (void *)t.d_o,       t.dq,
+                            t.dk,        t.dv,        (void *)t.cache_lens};
   for (size_t i = 0; i < sizeof device_buffers / sizeof *device_buffers; i++)
     if (device_buffers[i]) s->device->release(device_buffers[i]);
   free(in.q), free(in.k), free(in.v), free(in.d_o), free(o_host), free(lse_host);
+  free(o.cache_lens);
   for (int g = 0; g < 3; g++) free(grads[g]);
   if (failed)
     fprintf(stderr, "%s: check FAILED (seed %llu)\n", s->name, (unsigned long long)o.seed);

@@ -1,5 +1,8 @@
 /* The float64 reference backward, checked against central finite differences of its own
- * forward (docs/conventions.md section 3), and the invariants of dS. Exit 0 when all hold. */
+ * forward (docs/conventions.md section 3), also under grouped-query attention (where dK and dV
+ * sum over a group's query heads) and with cache lengths; the invariants of dS; and the
+ * forward with cache lengths against the same problem whose cache holds exactly L_b keys.
+ * Exit 0 when all hold. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -43,16 +46,20 @@ static double *randn(attn_rng *rng, size_t n) {
   return x;
 }
 
-static void finite_differences(int nq, int nkv, int d, int causal) {
-  fd_case c = {{1, 2, nq, nkv, d, causal, (float)(1 / sqrt((double)d)), DTYPE_FP32}, 0, 0, 0, 0, 0};
+/* B sequences of H query heads and Hkv K/V heads; cache_lens: NULL or B lengths. */
+static void finite_differences(int nq, int nkv, int d, int causal, int batch, int heads,
+                               int heads_kv, const int *cache_lens) {
+  float scale = (float)(1 / sqrt((double)d));
+  fd_case c = {.p = {batch, heads, nq, nkv, d, causal, scale, DTYPE_FP32, heads_kv, cache_lens}};
   const attn_problem *p = &c.p;
   attn_rng rng;
-  attn_rng_seed(&rng, 1000u * nq + 100u * nkv + 10u * d + causal);
+  attn_rng_seed(&rng, 1000u * nq + 100u * nkv + 10u * d + causal + 7919u * (heads / heads_kv - 1));
   size_t nqe = attn_q_elems(p), nkve = attn_kv_elems(p), rows = attn_lse_elems(p);
   c.q = randn(&rng, nqe), c.k = randn(&rng, nkve), c.v = randn(&rng, nkve);
   c.g = randn(&rng, nqe), c.w = randn(&rng, rows);
   for (size_t r = 0; r < rows; r++)
-    if (attn_visible_keys(p, (int)(r % (size_t)nq)) == 0) c.w[r] = 0;
+    if (attn_visible_keys(p, (long)(r / ((size_t)heads * nq)), (int)(r % (size_t)nq)) == 0)
+      c.w[r] = 0;
   double *grad[3] = {malloc(sizeof(double) * nqe), malloc(sizeof(double) * nkve),
                      malloc(sizeof(double) * nkve)};
   reference_backward(p, c.q, c.k, c.v, c.g, c.w, grad[0], grad[1], grad[2], NULL);
@@ -70,8 +77,10 @@ static void finite_differences(int nq, int nkv, int d, int causal) {
       inputs[t][e] = saved;
       double num = (up - down) / (2 * h), ana = grad[t][e];
       EXPECT(fabs(num - ana) <= 1e-5 + 1e-3 * fabs(num),
-             "%s[%zu] Nq=%d Nkv=%d d=%d causal=%d: finite difference %.9g, reference %.9g",
-             names[t], e, nq, nkv, d, causal, num, ana);
+             "%s[%zu] B=%d H=%d Hkv=%d Nq=%d Nkv=%d d=%d causal=%d%s: finite difference %.9g, "
+             "reference %.9g",
+             names[t], e, batch, heads, heads_kv, nq, nkv, d, causal,
+             cache_lens ? " (cache lengths)" : "", num, ana);
     }
   for (int t = 0; t < 3; t++) free(grad[t]);
   free(c.q), free(c.k), free(c.v), free(c.g), free(c.w);
@@ -81,7 +90,7 @@ static void finite_differences(int nq, int nkv, int d, int causal) {
  * no key get dQ = 0, and with dO = 0 (loss = sum(w * LSE) only) dV is exactly 0. */
 static void invariants(int nq, int nkv, int causal) {
   int d = 8;
-  attn_problem p = {1, 2, nq, nkv, d, causal, 0.35f, DTYPE_FP32};
+  attn_problem p = {1, 2, nq, nkv, d, causal, 0.35f, DTYPE_FP32, 2, NULL};
   attn_rng rng;
   attn_rng_seed(&rng, 7u + (unsigned)causal);
   size_t nqe = attn_q_elems(&p), nkve = attn_kv_elems(&p), rows = attn_lse_elems(&p);
@@ -91,7 +100,7 @@ static void invariants(int nq, int nkv, int causal) {
   double *dv = malloc(sizeof(double) * nkve), *ds = malloc(sizeof(double) * rows * nkv);
   reference_backward(&p, q, k, v, d_o, NULL, dq, dk, dv, ds);
   for (size_t r = 0; r < rows; r++) {
-    int i = (int)(r % (size_t)nq), visible = attn_visible_keys(&p, i);
+    int i = (int)(r % (size_t)nq), visible = attn_visible_keys(&p, 0, i);
     double sum = 0, scale_sum = 0;
     for (int j = 0; j < nkv; j++) sum += ds[r * nkv + j], scale_sum += fabs(ds[r * nkv + j]);
     EXPECT(fabs(sum) <= 1e-12 * (1 + scale_sum), "dS row %zu sums to %.3g, expected 0", r, sum);
@@ -107,6 +116,51 @@ static void invariants(int nq, int nkv, int causal) {
   free(q), free(k), free(v), free(d_o), free(w), free(dq), free(dk), free(dv), free(ds);
 }
 
+/* With cache lengths, sequence b's rows equal those of the same problem whose cache holds
+ * exactly L_b keys; the keys past L_b are NaN, so one read into a result shows. */
+static void cache_lengths(int causal) {
+  enum { B = 3, H = 4, HKV = 2, NQ = 3, NKV = 7, D = 8 };
+  const int lens[B] = {7, 2, 0}; /* full, shorter than Nq (causal: rows that see no key), empty */
+  attn_problem p = {B, H, NQ, NKV, D, causal, 0.3f, DTYPE_FP32, HKV, lens};
+  attn_rng rng;
+  attn_rng_seed(&rng, 11u + (unsigned)causal);
+  size_t nqe = attn_q_elems(&p), nkve = attn_kv_elems(&p), rows = attn_lse_elems(&p);
+  double *q = randn(&rng, nqe), *k = randn(&rng, nkve), *v = randn(&rng, nkve);
+  for (long bh = 0; bh < B * HKV; bh++)
+    for (size_t e = (size_t)lens[bh / HKV] * D; e < (size_t)NKV * D; e++)
+      k[bh * NKV * D + e] = v[bh * NKV * D + e] = NAN;
+  double *o = malloc(sizeof(double) * nqe), *lse = malloc(sizeof(double) * rows);
+  reference_forward_rows(&p, q, k, v, NULL, (long)rows, o, lse, NULL);
+  for (int b = 0; b < B; b++) {
+    /* Sequence b alone, its cache cut to L_b keys (an empty cache: one key no row sees). */
+    int len = lens[b] > 0 ? lens[b] : 1;
+    attn_problem one = {1, H, NQ, len, D, causal, 0.3f, DTYPE_FP32, HKV, NULL};
+    int none = 0, *one_lens = lens[b] > 0 ? NULL : &none;
+    one.cache_lens = one_lens;
+    double *k1 = malloc(sizeof(double) * HKV * len * D),
+           *v1 = malloc(sizeof(double) * HKV * len * D);
+    for (int hk = 0; hk < HKV; hk++)
+      for (int e = 0; e < len * D; e++) {
+        k1[hk * len * D + e] = lens[b] > 0 ? k[((size_t)b * HKV + hk) * NKV * D + e] : 0;
+        v1[hk * len * D + e] = lens[b] > 0 ? v[((size_t)b * HKV + hk) * NKV * D + e] : 0;
+      }
+    double o1[H * NQ * D], lse1[H * NQ];
+    reference_forward_rows(&one, q + (size_t)b * H * NQ * D, k1, v1, NULL, H * NQ, o1, lse1, NULL);
+    for (int r = 0; r < H * NQ; r++) {
+      double want = lse1[r], got = lse[(size_t)b * H * NQ + r];
+      EXPECT(got == want || (isinf(got) && isinf(want) && got < 0 && want < 0),
+             "cache lengths, causal=%d: sequence %d row %d LSE %.9g, alone %.9g", causal, b, r, got,
+             want);
+      for (int c = 0; c < D; c++)
+        EXPECT(o[((size_t)b * H * NQ + r) * D + c] == o1[r * D + c],
+               "cache lengths, causal=%d: sequence %d row %d O[%d] %.9g, alone %.9g", causal, b, r,
+               c, o[((size_t)b * H * NQ + r) * D + c], o1[r * D + c]);
+    }
+    free(k1), free(v1);
+  }
+  free(q), free(k), free(v), free(o), free(lse);
+}
+
 int main(void) {
   const int lengths[3] = {1, 3, 5}, dims[2] = {4, 8};
   int cases = 0;
@@ -114,10 +168,25 @@ int main(void) {
     for (int b = 0; b < 3; b++)
       for (int t = 0; t < 2; t++)
         for (int causal = 0; causal < 2; causal++, cases++)
-          finite_differences(lengths[a], lengths[b], dims[t], causal);
+          finite_differences(lengths[a], lengths[b], dims[t], causal, 1, 2, 2, NULL);
+  /* Grouped-query attention: 4 query heads on 2 K/V heads and on 1 (MQA). dK and dV are sums
+   * over each group's query heads; a reference that kept one head's share, or overwrote
+   * instead of adding, fails here. Nq > Nkv under the causal mask gives rows that see no key. */
+  for (int heads_kv = 2; heads_kv >= 1; heads_kv--)
+    for (int causal = 0; causal < 2; causal++, cases += 2) {
+      finite_differences(3, 5, 4, causal, 1, 4, heads_kv, NULL);
+      finite_differences(5, 3, 4, causal, 2, 4, heads_kv, NULL);
+    }
+  /* Cache lengths: keys past L_b get no gradient and move no output. */
+  const int lens[2] = {2, 5};
+  for (int causal = 0; causal < 2; causal++, cases++)
+    finite_differences(3, 5, 4, causal, 2, 2, 1, lens);
   /* Nq = 5 > Nkv = 3 under the causal mask: rows 0 and 1 see no key. */
   invariants(5, 3, 1), invariants(5, 3, 0), invariants(4, 9, 1);
-  printf("reference backward: %d finite-difference cases, 3 invariant cases, %d failures\n", cases,
-         failures);
+  cache_lengths(0), cache_lengths(1);
+  printf(
+      "reference backward: %d finite-difference cases, 3 invariant cases, 2 cache-length "
+      "cases, %d failures\n",
+      cases, failures);
   return failures ? 1 : 0;
 }

@@ -5,10 +5,11 @@ torch.nn.functional.scaled_dot_product_attention.
     o = flash_stages.scaled_dot_product_attention(q, k, v, is_causal=True)       # fastest stage
     o = flash_stages.scaled_dot_product_attention(q, k, v, stage="08_mma_sync")  # one stage
 
-q is [B, H, Nq, d], k and v [B, H, Nkv, d], CUDA tensors. The kernels are the stage
-programs' own (each stage's .cu file built as a library, common/stage_library.cu), run on
-PyTorch's tensors: the output is allocated by PyTorch and written by the kernel, nothing is
-copied (inputs that are not contiguous are made contiguous first: the kernels read row-major
+q is [B, H, Nq, d], k and v [B, H, Nkv, d] (or [B, Hkv, Nkv, d] with enable_gqa=True: stage
+11, forward only), CUDA tensors. The kernels are the stage programs' own (each stage's .cu
+file built as a library, common/stage_library.cu), run on PyTorch's tensors: the output is
+allocated by PyTorch and written by the kernel, nothing is copied (inputs that are not
+contiguous are made contiguous first: the kernels read row-major
 [B, H, N, d], docs/conventions.md section 1). Two custom operators, flash_stages::forward
 and flash_stages::backward, carry the autograd formula and a fake-tensor implementation, so
 torch.compile traces a call without a graph break.
@@ -39,9 +40,10 @@ __all__ = ["scaled_dot_product_attention", "stages", "stage_info", "FlashStagesE
            "HALF_STAGES", "PREFERENCE"]
 
 # The order the default choice tries: the fastest stage first (docs/results), each only where
-# it supports the inputs.
-PREFERENCE = ("09_swizzle_pipeline", "08_mma_sync", "07_tensor_cores", "06_backward",
-              "05_causal", "04_shared_memory", "03_cuda_forward")
+# it supports the inputs. 11 is 09 with grouped-query attention and a decode path: it takes
+# what 09 cannot (key/value heads fewer than query heads).
+PREFERENCE = ("09_swizzle_pipeline", "11_split_kv_decode", "08_mma_sync", "07_tensor_cores",
+              "06_backward", "05_causal", "04_shared_memory", "03_cuda_forward")
 HALF_STAGES = ("07_tensor_cores", "08_mma_sync", "09_swizzle_pipeline")
 
 _TORCH_DTYPE = {_library.DTYPE_FP32: torch.float32, _library.DTYPE_FP16: torch.float16,
@@ -63,12 +65,12 @@ class StageInfo:
         self.name, self.idea = lib.name, lib.idea
         self.head_dims = lib.head_dims
         self.dtypes = tuple(_TORCH_DTYPE[c] for c in lib.dtype_codes)
-        self.causal, self.backward = lib.causal, lib.backward
+        self.causal, self.backward, self.gqa = lib.causal, lib.backward, lib.gqa
 
     def __repr__(self):
         dt = ", ".join(str(t).replace("torch.", "") for t in self.dtypes)
         return (f"StageInfo({self.name}: d in {self.head_dims or 'any'}, {dt}, "
-                f"causal={self.causal}, backward={self.backward})")
+                f"causal={self.causal}, backward={self.backward}, gqa={self.gqa})")
 
 
 _LIBS, LIBRARY_DIR = _library.load_all()
@@ -111,9 +113,12 @@ def _unsupported(info, q, k, v, is_causal, enable_gqa, needs_grad):
         return f"{info.name} has no causal mask (it comes in {_COMES_IN['causal']})"
     if needs_grad and not info.backward:
         return f"{info.name} has no backward (it comes in {_COMES_IN['backward']})"
-    if k.shape[1] != q.shape[1]:
+    if k.shape[1] != q.shape[1] and not info.gqa:
         return (f"{info.name} has no grouped-query attention ({q.shape[1]} query heads, "
                 f"{k.shape[1]} key/value heads; it comes in {_COMES_IN['gqa']})")
+    if k.shape[1] != q.shape[1] and needs_grad:
+        return (f"{info.name} has no backward for grouped-query attention ({q.shape[1]} query "
+                f"heads, {k.shape[1]} key/value heads): its backward is 09's")
     return None
 
 
@@ -221,7 +226,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 def _problem(q, k, causal, scale):
     b, h, nq, d = q.shape
-    return _library.Problem(b, h, nq, k.shape[2], d, int(causal), scale, _DTYPE_CODE[q.dtype])
+    return _library.Problem(b, h, nq, k.shape[2], d, int(causal), scale, _DTYPE_CODE[q.dtype],
+                            k.shape[1], None)
 
 
 def _run(fn, problem, buffers, device, what):

@@ -17,10 +17,12 @@ DTYPE_FP32, DTYPE_FP16, DTYPE_BF16 = 0, 1, 2
 
 
 class Problem(ctypes.Structure):
-    """attn_problem."""
+    """attn_problem. heads_kv 0 means H; cache_lens NULL means every sequence holds Nkv keys
+    (the package passes no cache lengths)."""
     _fields_ = [("batch", ctypes.c_int), ("heads", ctypes.c_int), ("seq_q", ctypes.c_int),
                 ("seq_kv", ctypes.c_int), ("head_dim", ctypes.c_int), ("causal", ctypes.c_int),
-                ("scale", ctypes.c_float), ("dtype", ctypes.c_int)]
+                ("scale", ctypes.c_float), ("dtype", ctypes.c_int), ("heads_kv", ctypes.c_int),
+                ("cache_lens", ctypes.c_void_p)]
 
 
 class Buffers(ctypes.Structure):
@@ -28,7 +30,7 @@ class Buffers(ctypes.Structure):
     _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
                 ("o", ctypes.c_void_p), ("lse", ctypes.c_void_p), ("d_o", ctypes.c_void_p),
                 ("dq", ctypes.c_void_p), ("dk", ctypes.c_void_p), ("dv", ctypes.c_void_p),
-                ("workspace", ctypes.c_void_p)]
+                ("workspace", ctypes.c_void_p), ("cache_lens", ctypes.c_void_p)]
 
 
 class Stage(ctypes.Structure):
@@ -39,7 +41,8 @@ class Stage(ctypes.Structure):
                 ("dtypes", ctypes.c_uint), ("has_causal", ctypes.c_int),
                 ("saves_lse", ctypes.c_int), ("forward_workspace", ctypes.c_void_p),
                 ("forward", ctypes.c_void_p), ("backward_workspace", ctypes.c_void_p),
-                ("backward", ctypes.c_void_p)]
+                ("backward", ctypes.c_void_p), ("has_gqa", ctypes.c_int),
+                ("has_cache_lens", ctypes.c_int)]
 
 
 class StageLibrary:
@@ -65,6 +68,7 @@ class StageLibrary:
                                  if mask & (1 << t))
         self.causal = bool(s.has_causal)
         self.backward = bool(s.backward)
+        self.gqa = bool(s.has_gqa)
 
     def forward_workspace(self, problem):
         return self.lib.attn_library_forward_workspace(ctypes.byref(problem))

@@ -1,0 +1,1411 @@
+/* Stage 11: decoding against a KV cache, with grouped-query attention.
+ *
+ * The kernels are stage 09's. What is added:
+ *   - grouped-query attention (GQA/MQA): K and V have Hkv heads, and query head h reads K/V
+ *     head h / G, G = H / Hkv;
+ *   - cache lengths: sequence b attends to its first L_b <= Nkv keys (bottom-right causal
+ *     against L_b), and nothing past them is read;
+ *   - a decode path (FlashDecoding) for problems with few query rows per K/V head: the keys
+ *     of each (sequence, K/V head) are split into chunks across blocks, each block takes all
+ *     G x Nq query rows of its K/V head so that K and V are read once, writes a partial O and
+ *     LSE, and a second kernel merges a row's chunks by their LSE (stage 02's merge).
+ * The backward is 09's, for the problems 09 computes (Hkv = H, no cache lengths).
+ */
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_pipeline.h>
+#include <limits.h>
+#include <math.h>
+#include <type_traits>
+
+#include "attention.h"
+#include "gpu.h"
+
+/* mma.sync.aligned.m16n8k16: D (16 x 8, fp32) = A (16 x 16) B (16 x 8) + C, one warp.
+ * A lane l belongs to quad g = l / 4 and is lane t = l % 4 of it. Each operand is a set of
+ * 8 x 8 blocks; in every block lane l holds row g and the two columns 2t, 2t + 1 (two 16-bit
+ * values in one 32-bit register, the lower column in the lower half):
+ *
+ *   A (rows x k), 4 registers      B (k x cols), 2 registers     C, D (rows x cols), 4 floats
+ *           k 0-7   k 8-15                 cols 0-7                        cols 0-7
+ *   rows 0-7   a[0]   a[2]           k 0-7    b[0]  (transposed:   rows 0-7    c[0] c[1]
+ *   rows 8-15  a[1]   a[3]           k 8-15   b[1]   lane l holds  rows 8-15   c[2] c[3]
+ *                                                    column g, k 2t and 2t + 1)
+ *
+ * So lane l holds rows g and g + 8 of every accumulator, columns 2t and 2t + 1 of each
+ * 8-column block. Two accumulators side by side (16 columns) hold exactly the elements of one
+ * A operand with k = those 16 columns: c[0..1] of the first are a[0], c[2..3] are a[1], and
+ * the second gives a[2] and a[3]. That is how S becomes P without leaving the registers.
+ *
+ * ldmatrix.x4 loads four 8 x 8 blocks of 16-bit values from shared memory, each lane giving
+ * the address of one row (lanes 0-7 the rows of block 0, 8-15 of block 1, ...), and leaves
+ * them in this layout; with .trans each block arrives transposed.
+ */
+constexpr int MmaM = 16, MmaN = 8, MmaK = 16;
+constexpr int Quad = 4; /* lanes that share a row */
+/* A warp's query rows in the forward, in instruction heights (fragments). At d = 128, two:
+ * every K and V operand a warp loads from shared memory then feeds two mma.sync instead of
+ * one. At d <= 64, one, which leaves registers for two blocks of 8 warps per SM. Measured on
+ * an H100 (fp16, N = 4096 and 16384, forward TFLOP/s, scripts/variants.sh): at d = 128, 32
+ * rows a warp 251-267 against 16 rows 202-213 (08's kernels); at d = 64, in one command with
+ * this stage's kernels, 16 rows (Q in registers) 262-281, 32 rows 259-276, and with 128
+ * keys a tile (FlashAttention-2's shape) 259-279 and 264-280: the same within noise. */
+#ifndef ATTN_ROW_FRAGS
+#define ATTN_ROW_FRAGS 1 /* at d <= 64; -DATTN_ROW_FRAGS=2 for the alternative */
+#endif
+__host__ __device__ constexpr int row_frags(int d) { return d > 64 ? 2 : ATTN_ROW_FRAGS; }
+/* Where Q's A operands live: at d <= 64 in registers, loaded once (16 a lane); at d = 128
+ * they would take 64 registers beside S and O, so they are reloaded from shared memory. */
+__host__ __device__ constexpr bool q_in_registers(int d) { return row_frags(d) == 1; }
+__host__ __device__ constexpr int threads_for(int rows, int warp_rows) {
+  return rows / warp_rows * 32;
+}
+/* Query rows per block: 128, so that each K and V tile copied into shared memory serves 128
+ * rows (8 warps of 16 rows, or 4 of 32). */
+constexpr int Br = 128;
+/* Keys per tile: S takes 32 registers a lane per 16 rows. Measured against 32 keys (the same
+ * runs; -DATTN_BC=32): 64 keys 2-4% faster at d = 64, 4% at d = 128. */
+#ifndef ATTN_BC
+#define ATTN_BC 64
+#endif
+constexpr int Bc = ATTN_BC;
+/* Keys per tile where the device cannot give a block tile_bytes(d, Bc) (96 KiB at d = 128,
+ * which every GPU since sm_80 allows; 102 KiB with -DATTN_SWIZZLE=0): half the keys. */
+constexpr int Bc_small = 32;
+static_assert(Bc_small % MmaK == 0, "a tile of keys is whole k-steps of P V");
+/* Shared-memory tiles are stored without padding and with the 16-byte chunks of each row
+ * permuted: logical chunk c of row r is stored at chunk c ^ (r % 8) (rows of 128 or 256
+ * bytes) or c ^ (r / 2 % 4) (rows of 64 bytes, two to a 128-byte line). One ldmatrix phase
+ * reads 8 rows at the same logical chunk; unpermuted, rows 128 or 256 bytes long all start
+ * on bank 0 and those 8 reads queue on 4 banks, while permuted they land on 8 different
+ * 16-byte bank groups, all 32 banks (08 padded every row by 16 bytes instead, which costs
+ * 6-12% of the shared memory). At d = 64, where each logical chunk is stored:
+ *
+ *   logical chunk   0 1 2 3 4 5 6 7
+ *   row 0           0 1 2 3 4 5 6 7
+ *   row 1           1 0 3 2 5 4 7 6
+ *   row 2           2 3 0 1 6 7 4 5
+ *   row 3           3 2 1 0 7 6 5 4      ... row 7: 7 6 5 4 3 2 1 0, row 8 as row 0
+ *
+ * -DATTN_SWIZZLE=0 builds 08's padded rows instead (the A/B table of the README). */
+#ifndef ATTN_SWIZZLE
+#define ATTN_SWIZZLE 1
+#endif
+#ifndef ATTN_SPLIT_WAITS
+#define ATTN_SPLIT_WAITS 1
+#endif
+constexpr int Skew = ATTN_SWIZZLE ? 0 : 16; /* bytes of padding per row */
+static_assert(Skew % 16 == 0, "rows stay 16-byte aligned: cp.async and ldmatrix move 16 bytes");
+template <typename E>
+__host__ __device__ constexpr int padded(int cols) {
+  return cols + Skew / (int)sizeof(E);
+}
+/* The offset of element (row, col) in a tile of D-element rows. A tile's first row must be
+ * a multiple of 8 rows into its buffer, which every tile and warp offset here is. */
+template <int D, typename T>
+__host__ __device__ constexpr int swizzle(int row, int col) {
+  constexpr int chunk = 16 / sizeof(T), chunks = D / chunk;  /* elements, chunks a row */
+  constexpr int rows_per_line = chunks < 8 ? 8 / chunks : 1; /* rows sharing 128 bytes */
+  constexpr int patterns = chunks < 8 ? chunks : 8;
+  int c = ATTN_SWIZZLE ? (col / chunk ^ row / rows_per_line % patterns) * chunk + col % chunk : col;
+  return row * padded<T>(D) + c;
+}
+
+/* Shared memory of a block walking tiles of bc keys: the double-buffered K and V tiles and
+ * `rows` rows of queries (the forward's Q; the dQ kernel's Q and dO). S and P stay in the
+ * registers. */
+template <typename T>
+static constexpr size_t tile_bytes(int d, int bc, int rows) {
+  return sizeof(T) * (4 * (size_t)bc + rows) * padded<T>(d);
+}
+
+/* Rows [0, rows) of a [*, D] tensor into a swizzled tile of ROWS rows, 16 bytes per copy,
+ * without waiting: cp.async lets the copy of tile t + 1 run while the warps multiply tile t.
+ * The rows past `rows` are zeroed, since they enter the products (0 times a stale NaN).
+ * THREADS, the block's size, is known at compile time, so the loop unrolls and each thread
+ * computes its swizzled offset once: every pass moves THREADS / W rows further, a whole
+ * number of swizzle periods (8 rows), which adds to the offset without changing the
+ * permutation. (Dividing a runtime index by W and swizzling it on every copy cost about 30
+ * instructions a copy.) */
+template <int D, int ROWS, int THREADS, typename T>
+__device__ void load_tile(const T *src, int rows, T *dst) {
+  constexpr int Chunk = 16 / sizeof(T), W = D / Chunk, Step = THREADS / W; /* rows a pass */
+  static_assert(THREADS % W == 0 && Step % 8 == 0, "a pass moves whole swizzle periods");
+  const int tid = threadIdx.x, r = tid / W;
+  const T *from = src + tid * Chunk;
+  T *to = dst + swizzle<D, T>(r, tid % W * Chunk);
+#pragma unroll
+  for (int k = 0; k < (ROWS * W + THREADS - 1) / THREADS; k++) {
+    if ((ROWS * W) % THREADS != 0 && k * THREADS + tid >= ROWS * W) break;
+    if (r + k * Step < rows)
+      __pipeline_memcpy_async(to + k * Step * padded<T>(D), from + k * THREADS * Chunk, 16);
+    else
+      *reinterpret_cast<float4 *>(to + k * Step * padded<T>(D)) = float4{};
+  }
+}
+
+/* The whole block copies rows [j0, j0 + cols) of K and V into Ks, Vs: consecutive threads
+ * take consecutive 16 bytes, so each warp reads 512 contiguous bytes. (The dK/dV kernel
+ * reuses this with more threads per block, and for Q and dO: ROWS.) */
+template <int D, int ROWS, int THREADS, typename T>
+__device__ void load_kv_tile(const T *K, const T *V, int cols, T *Ks, T *Vs) {
+  load_tile<D, ROWS, THREADS>(K, cols, Ks), load_tile<D, ROWS, THREADS>(V, cols, Vs);
+}
+
+__device__ void mma_m16n8k16(float *c, const unsigned *a, const unsigned *b, __half) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+__device__ void mma_m16n8k16(float *c, const unsigned *a, const unsigned *b, __nv_bfloat16) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+/* volatile: a load from shared memory must stay between the barriers that guard it. The
+ * address is a shared-memory address (the operand helpers below make it). */
+__device__ void ldmatrix_x4(unsigned *r, unsigned address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+__device__ void ldmatrix_x4_trans(unsigned *r, unsigned address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+/* The shared-memory address of element (row + lane_row, col + lane_col) of a swizzled tile,
+ * where row is a multiple of 8 and col of 16. The lane's own address, for (lane_row,
+ * lane_col), is computed once; moving it by `col` then changes only the chunk bits, which
+ * the swizzle XORs with the row: swizzle(r, c + col) = swizzle(r, c) XOR col (in bytes) when
+ * col is whole 16-element steps and the tile starts on a row boundary aligned to the row's
+ * size (256-byte aligned shared memory, whole rows between tiles). So a step is one XOR, and
+ * the row offset, which the swizzle does not see, is an immediate the loads fold in. */
+template <int D, typename T>
+__device__ unsigned operand_address(const T *tile, int lane_row, int lane_col, int row, int col) {
+  unsigned lane = (unsigned)__cvta_generic_to_shared(tile + swizzle<D, T>(lane_row, lane_col));
+  unsigned moved = ATTN_SWIZZLE ? lane ^ (col * sizeof(T)) : lane + col * sizeof(T);
+  return moved + row * padded<T>(D) * sizeof(T);
+}
+
+/* Which row of the 16 x 16 block at (row, col) of a tile this lane points ldmatrix.x4 at,
+ * for the three ways the operands are read:
+ *   a_operand: the block as A (rows x k): blocks (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15),
+ *     (8-15, 8-15) are a[0..3];
+ *   b_operand: the block holds B transposed, one row per output column (K for S = Q K^T):
+ *     blocks (cols 0-7, k 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15) are b[0..1] of the
+ *     first 8 columns, then b[0..1] of the next 8;
+ *   b_operand_trans: the block holds B as it is, k down (V for O = P V), read with .trans:
+ *     blocks (k 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15). */
+template <int D, typename T>
+__device__ unsigned a_operand(const T *tile, int row, int col) {
+  int lane = threadIdx.x % 32;
+  return operand_address<D>(tile, lane % 16, lane / 16 * 8, row, col);
+}
+template <int D, typename T>
+__device__ unsigned b_operand(const T *tile, int row, int col) {
+  int lane = threadIdx.x % 32;
+  return operand_address<D>(tile, lane / 16 * 8 + lane % 8, lane / 8 % 2 * 8, row, col);
+}
+template <int D, typename T>
+__device__ unsigned b_operand_trans(const T *tile, int row, int col) {
+  int lane = threadIdx.x % 32;
+  return operand_address<D>(tile, lane / 8 % 2 * 8 + lane % 8, lane / 16 * 8, row, col);
+}
+
+/* The exponentials are exp2 (one instruction): exp(x) = exp2(x log2 e), log x = ln 2 log2 x. */
+constexpr float Log2e = 1.4426950408889634f, Ln2 = 0.6931471805599453f;
+
+/* 2^x in one instruction (MUFU.EX2); 2^-inf = +0. Its relative error, about 2^-22, is far
+ * below the dtype's rounding of P. */
+__device__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+/* Two dtype values in one 32-bit register, `lo` in the lower half: an operand register,
+ * rounded to nearest even (the host rounds the same way). */
+__device__ unsigned pack2(float lo, float hi, __half) {
+  __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<unsigned *>(&h);
+}
+__device__ unsigned pack2(float lo, float hi, __nv_bfloat16) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<unsigned *>(&h);
+}
+
+/* The largest of x over the quad that holds a row (its 4 lanes are xor 1 and 2 apart). */
+__device__ float max_over_quad(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ float sum_over_quad(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+/* A lane holds 2 rows of each of the warp's RowFrags fragments: its row h is g + 8 h of the
+ * warp's rows, element e of fragment f's accumulators belongs to row 2 f + e / 2. */
+
+/* A warp's S = Q K^T for one tile (RowFrags x 16 rows, BC keys) in accumulators
+ * s[f][BC / 8][4]. Only a `masked` tile (one that crosses the causal diagonal or the end of
+ * the keys) is masked: an element past its row's last visible key becomes -inf, the lane's
+ * row h seeing the tile's first row_cols[h] keys. m_blk[h] is row h's max over the tile,
+ * reduced over the row's quad. */
+template <int D, int BC, typename T>
+__device__ void compute_qk_scores_and_max(const T *Q, const unsigned (*q_frag)[4], const T *K,
+                                          bool masked, const int *row_cols,
+                                          float (*s)[BC / MmaN][4], float *m_blk) {
+  constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
+#pragma unroll
+  for (int f = 0; f < RowFrags; f++)
+#pragma unroll
+    for (int n = 0; n < BC / MmaN; n++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) s[f][n][e] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < D / MmaK; kk++) {
+    unsigned a[RowFrags][4];
+#pragma unroll
+    for (int f = 0; f < RowFrags; f++) {
+      if (q_in_registers(D))
+#pragma unroll
+        for (int r = 0; r < 4; r++) a[f][r] = q_frag[kk][r];
+      else
+        ldmatrix_x4(a[f], a_operand<D>(Q, f * MmaM, kk * MmaK));
+    }
+#pragma unroll
+    for (int n2 = 0; n2 < BC / 16; n2++) { /* 16 keys: two accumulators per fragment */
+      unsigned b[4];
+      ldmatrix_x4(b, b_operand<D>(K, n2 * 16, kk * MmaK));
+#pragma unroll
+      for (int f = 0; f < RowFrags; f++)
+        mma_m16n8k16(s[f][2 * n2], a[f], b, T()), mma_m16n8k16(s[f][2 * n2 + 1], a[f], b + 2, T());
+    }
+  }
+  /* Only a tile that crosses the diagonal or the end of the keys is masked: a compare and a
+   * select per element. At d <= 64 a branch skips them on the other tiles; at d = 128 they
+   * are folded into the max on every tile, since the branch would cost 60 bytes of spills. */
+  int t = threadIdx.x % Quad;
+  if (RowFrags == 1 && masked)
+#pragma unroll
+    for (int n = 0; n < BC / MmaN; n++)
+#pragma unroll
+      for (int e = 0; e < 4; e++)
+        if (n * MmaN + 2 * t + e % 2 >= row_cols[e / 2]) s[0][n][e] = -INFINITY;
+#pragma unroll
+  for (int h = 0; h < LaneRows; h++) m_blk[h] = -INFINITY;
+#pragma unroll
+  for (int f = 0; f < RowFrags; f++)
+#pragma unroll
+    for (int n = 0; n < BC / MmaN; n++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        if (RowFrags > 1 && masked && n * MmaN + 2 * t + e % 2 >= row_cols[2 * f + e / 2])
+          s[f][n][e] = -INFINITY;
+        m_blk[2 * f + e / 2] = fmaxf(m_blk[2 * f + e / 2], s[f][n][e]);
+      }
+#pragma unroll
+  for (int h = 0; h < LaneRows; h++) m_blk[h] = max_over_quad(m_blk[h]);
+}
+
+/* m' = max(m, m_blk), in units of the raw S; what was summed under 2^(-m scale log2 e) (l
+ * and the O accumulators) is rescaled by 2^((m - m') scale log2 e), row by row. */
+template <int D>
+__device__ void merge_block_stats(const float *m_blk, float scale_log2, float *m, float *l,
+                                  float (*acc)[D / MmaN][4]) {
+  constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
+  float correction[LaneRows];
+#pragma unroll
+  for (int h = 0; h < LaneRows; h++) {
+    float m_new = fmaxf(m[h], m_blk[h]);
+    /* While a row has seen no key m' is still -inf, and 2^(-inf - -inf) would be NaN; there
+     * is nothing to rescale then (l = 0, acc = 0). Otherwise 0 on the first visible tile. */
+    correction[h] = m_new == -INFINITY ? 1.f : exp2_approx((m[h] - m_new) * scale_log2);
+    l[h] *= correction[h];
+    m[h] = m_new;
+  }
+#pragma unroll
+  for (int f = 0; f < RowFrags; f++)
+#pragma unroll
+    for (int n = 0; n < D / MmaN; n++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) acc[f][n][e] *= correction[2 * f + e / 2];
+}
+
+/* p = 2^((s - m) scale log2(e)); l += p (this lane's columns only: the quad's partial sums
+ * are added once, at the end); acc += P V. For each 16 keys the two accumulators of S that
+ * hold them become one A operand of P V. Not one FFMA, 2^(s c - m c) with m c precomputed
+ * as FlashAttention does: m c is rounded, and for the row's largest element s c - round(m c)
+ * is that rounding error, half an ulp of m c, which is no longer small once |m c| passes
+ * 2^16 or so (4096 at logits of 1e11, bf16 inputs near 1e5): 2^4096 is inf. */
+template <int D, int BC, typename T>
+__device__ void compute_block_softmax_and_weighted_v(const float (*s)[BC / MmaN][4], const T *V,
+                                                     float scale_log2, const float *m, float *l,
+                                                     float (*acc)[D / MmaN][4]) {
+  constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
+  /* A row that has seen no key (m = -inf) has only -inf logits: 2^(-inf - 0) = 0. */
+  float m_use[LaneRows];
+#pragma unroll
+  for (int h = 0; h < LaneRows; h++) m_use[h] = m[h] == -INFINITY ? 0.f : m[h];
+#pragma unroll
+  for (int kk = 0; kk < BC / MmaK; kk++) {
+    unsigned p_frag[RowFrags][4];
+#pragma unroll
+    for (int f = 0; f < RowFrags; f++)
+#pragma unroll
+      for (int half = 0; half < 2; half++) {
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          p[e] = exp2_approx((s[f][2 * kk + half][e] - m_use[2 * f + e / 2]) * scale_log2);
+          l[2 * f + e / 2] += p[e];
+        }
+        p_frag[f][2 * half] = pack2(p[0], p[1], T());     /* rows 0-7 */
+        p_frag[f][2 * half + 1] = pack2(p[2], p[3], T()); /* rows 8-15 */
+      }
+#pragma unroll
+    for (int n2 = 0; n2 < D / 16; n2++) {
+      unsigned b[4];
+      ldmatrix_x4_trans(b, b_operand_trans<D>(V, kk * MmaK, n2 * 16));
+#pragma unroll
+      for (int f = 0; f < RowFrags; f++)
+        mma_m16n8k16(acc[f][2 * n2], p_frag[f], b, T()),
+            mma_m16n8k16(acc[f][2 * n2 + 1], p_frag[f], b + 2, T());
+    }
+  }
+}
+
+/* Writes a warp's FRAGS x 16 rows of fp32 accumulators times factor[h] (h the lane's row) in
+ * the dtype, rows [0, rows) only: each lane stores its two adjacent columns as one word. */
+template <int D, int FRAGS, typename T>
+__device__ void store_tile(const float (*acc)[D / MmaN][4], const float *factor, T *out, int rows,
+                           int ld = D) {
+  int g = threadIdx.x % 32 / Quad, t = threadIdx.x % Quad;
+#pragma unroll
+  for (int h = 0; h < 2 * FRAGS; h++) {
+    int r = g + 8 * h, e = 2 * (h % 2);
+    if (r < rows)
+#pragma unroll
+      for (int n = 0; n < D / MmaN; n++)
+        *reinterpret_cast<unsigned *>(out + (long)r * ld + n * MmaN + 2 * t) =
+            pack2(acc[h / 2][n][e] * factor[h], acc[h / 2][n][e + 1] * factor[h], T());
+  }
+}
+
+/* O = acc / l, LSE = m scale + ln l for the lane's rows (a row that saw no key: O = 0,
+ * LSE = -inf), after adding up the quad's partial sums of l. */
+template <int D, typename T>
+__device__ void normalize_output(const float (*acc)[D / MmaN][4], const float *m, float *l,
+                                 float scale_log2, T *O, float *LSE, int rows) {
+  constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
+  float inv_l[LaneRows];
+#pragma unroll
+  for (int h = 0; h < LaneRows; h++) {
+    l[h] = sum_over_quad(l[h]);
+    inv_l[h] = l[h] > 0.f ? 1.f / l[h] : 0.f;
+    int r = threadIdx.x % 32 / Quad + 8 * h;
+    if (threadIdx.x % Quad == 0 && r < rows)
+      LSE[r] = l[h] > 0.f ? (m[h] * scale_log2 + log2f(l[h])) * Ln2 : -INFINITY;
+  }
+  store_tile<D, RowFrags>(acc, inv_l, O, rows);
+}
+
+template <int D, int BC, typename T>
+__global__ void __launch_bounds__(threads_for(Br, row_frags(D) * MmaM), 2)
+    flash_forward_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                         const int *__restrict__ cache_lens, T *__restrict__ o,
+                         float *__restrict__ lse, int nq, int nkv, int heads, int seq_heads,
+                         int group, float scale, int causal) {
+  constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
+  constexpr int Threads = threads_for(Br, RowFrags * MmaM);
+  extern __shared__ __align__(256) float4 smem[]; /* cp.async and ldmatrix move 16 bytes */
+  T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + 2 * BC * padded<T>(D);
+  T *Qs = Vs + 2 * BC * padded<T>(D); /* K and V double-buffered, then the Q tile */
+  /* Causal blocks have unequal work: row block r runs about r + 1 tiles' worth. Ordered by
+   * row block across all heads, every head's heaviest block starts first and the light ones
+   * fill the tail (measured at N = 4096, d = 64: ordered per head, the heavy blocks of the
+   * last heads started last and causal was only 1.57x faster than non-causal; ordered
+   * across heads, 1.92x). Non-causal blocks are equal, so a head's blocks stay adjacent and
+   * share its K and V in L2 (ordered across heads instead: 6.5% slower). */
+  int row_blocks = (nq + Br - 1) / Br;
+  long bh = causal ? blockIdx.x % heads : blockIdx.x / row_blocks;
+  int i0 =
+      (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) * Br;
+  /* The warp's rows start at row0; this lane holds rows i + 8 h. A warp past the last row
+   * still helps load tiles and meets every barrier. */
+  int row0 = i0 + threadIdx.x / 32 * RowFrags * MmaM, i = row0 + threadIdx.x % 32 / Quad;
+  /* Query head bh reads K/V head bh / G (b H / G = b Hkv), whose rows are Nkv apart (the
+   * cache's capacity); sequence b = bh / H holds `len` valid keys. */
+  const T *K = k + bh / group * nkv * D, *V = v + bh / group * nkv * D;
+  int len = cache_lens ? cache_lens[bh / seq_heads] : nkv;
+  float acc[RowFrags][D / MmaN][4] = {}, s[RowFrags][BC / MmaN][4];
+  float m[LaneRows], l[LaneRows], m_blk[LaneRows];
+  unsigned q_frag[q_in_registers(D) ? D / MmaK : 1][4];
+#pragma unroll
+  for (int h = 0; h < LaneRows; h++) m[h] = -INFINITY, l[h] = 0.f;
+  load_tile<D, Br, Threads>(q + (bh * nq + i0) * D, min(Br, nq - i0), Qs);
+  /* The row max is taken on the raw S, which is right for a positive scale only: a negative
+   * scale is a positive one on -Q (exact), and a zero scale sees Q = 0. */
+  float scale_log2 = scale == 0.f ? Log2e : fabsf(scale) * Log2e;
+  if (scale <= 0.f) {
+    __pipeline_commit();
+    __pipeline_wait_prior(0);
+    __syncthreads(); /* RAW: the Q tile has landed before it is rewritten */
+    for (int e = threadIdx.x; e < Br * D; e += blockDim.x) {
+      T &x = Qs[swizzle<D, T>(e / D, e % D)];
+      x = T(scale < 0.f ? -float(x) : 0.f);
+    }
+  } /* (the first barrier of the loop orders these writes before the loads of Q) */
+  /* Keys [0, kv_end) are visible to some row of the block: the last row sees the most. */
+  int offset = len - nq, last_row = min(i0 + Br, nq) - 1;
+  int kv_end = causal ? max(0, min(len, last_row + offset + 1)) : len;
+  /* K and V travel in copy groups of their own, K(t) then V(t), so that each product waits
+   * only for its operand: V(t)'s copy overlaps S = Q K(t)^T, and K(t + 1)'s the softmax and
+   * P V(t). (Q's copy joins K(0)'s group.) -DATTN_SPLIT_WAITS=0 copies and waits for K and V
+   * together at the top of each tile, as 08 does (the A/B table of the README). */
+  constexpr bool split = ATTN_SPLIT_WAITS;
+  if (kv_end > 0) load_tile<D, BC, Threads>(K, min(BC, len), Ks);
+  __pipeline_commit();
+  if (kv_end > 0) load_tile<D, BC, Threads>(V, min(BC, len), Vs);
+  __pipeline_commit();
+  for (int j0 = 0, buf = 0; j0 < kv_end; j0 += BC, buf ^= 1) {
+    int cols = min(BC, len - j0), next = j0 + BC;
+    T *Kn = Ks + (buf ^ 1) * BC * padded<T>(D), *Vn = Vs + (buf ^ 1) * BC * padded<T>(D);
+    if (next < kv_end) load_tile<D, BC, Threads>(K + (long)next * D, min(BC, len - next), Kn);
+    if (!split && next < kv_end)
+      load_tile<D, BC, Threads>(V + (long)next * D, min(BC, len - next), Vn);
+    __pipeline_commit();
+    /* K(t) has landed (and, not split, V(t)); V(t) and K(t + 1) may still be in flight */
+    __pipeline_wait_prior(split ? 2 : 1);
+    __syncthreads(); /* RAW: K(t) (the first time, Q too) is in shared memory; WAR, split: every
+                      * warp is done with P V(t - 1), so V(t + 1) may overwrite its buffer */
+    /* A tile past the warp's first row's limit crosses the diagonal: each row keeps the
+     * columns it sees, [j0, i + offset], which may be none. */
+    bool diagonal = causal && j0 + cols - 1 > row0 + offset;
+    int row_cols[LaneRows]; /* on a diagonal tile, row i + 8 h sees one key more than row i */
+#pragma unroll
+    for (int h = 0; h < LaneRows; h++)
+      row_cols[h] = diagonal ? min(cols, i + offset + 1 - j0 + 8 * h) : cols;
+    const T *Kt = Ks + buf * BC * padded<T>(D), *Vt = Vs + buf * BC * padded<T>(D);
+    if (q_in_registers(D) && j0 == 0) /* Q has landed: its operands, once */
+#pragma unroll
+      for (int kk = 0; kk < D / MmaK; kk++)
+        ldmatrix_x4(q_frag[kk], a_operand<D>(Qs, row0 - i0, kk * MmaK));
+    compute_qk_scores_and_max<D, BC>(Qs + (row0 - i0) * padded<T>(D), q_frag, Kt,
+                                     diagonal || cols < BC, row_cols, s, m_blk);
+    merge_block_stats<D>(m_blk, scale_log2, m, l, acc);
+    if (split && next < kv_end)
+      load_tile<D, BC, Threads>(V + (long)next * D, min(BC, len - next), Vn);
+    __pipeline_commit();
+    __pipeline_wait_prior(2); /* V(t) has landed; K(t + 1) and V(t + 1) may still be in flight */
+    __syncthreads();          /* RAW: V(t) is in shared memory; WAR: every warp is done with
+                               * S = Q K(t)^T, so K(t + 2) may overwrite its buffer */
+    compute_block_softmax_and_weighted_v<D, BC>(s, Vt, scale_log2, m, l, acc);
+    if (!split) __syncthreads(); /* WAR: every warp is done with V(t) before V(t + 2) */
+  }
+  __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
+  normalize_output<D>(acc, m, l, scale_log2, o + (bh * nq + row0) * D, lse + bh * nq + row0,
+                      nq - row0);
+}
+
+template <int D, int BC, typename T>
+static void launch_forward(const attn_problem *p, const attn_buffers *t) {
+  int heads = p->batch * p->heads;
+  dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
+  attn_require_shared_memory((const void *)flash_forward_kernel<D, BC, T>, tile_bytes<T>(D, BC, Br),
+                             "flash_forward_kernel");
+  flash_forward_kernel<D, BC>
+      <<<grid, threads_for(Br, row_frags(D) * MmaM), tile_bytes<T>(D, BC, Br), attn_stream()>>>(
+          (const T *)t->q, (const T *)t->k, (const T *)t->v, t->cache_lens, (T *)t->o, t->lse,
+          p->seq_q, p->seq_kv, heads, p->heads, attn_group(p), p->scale, p->causal);
+  CHECK_LAUNCH("flash_forward_kernel");
+}
+
+/* ---- the decode path ------------------------------------------------------------------ */
+
+/* Decode: each sequence brings a few new queries (Nq; 1 for a model generating a token at a
+ * time) against a cache of L_b keys. The grid above has a block per 128 query rows of one
+ * head, B x H blocks in all (32 at B = 1, H = 32 on an H100's 132 SMs), each reading its
+ * head's K and V alone, and the work is reading K and V, not multiplying. So the decode path
+ * splits the other way (FlashDecoding):
+ *   - a block per (sequence, K/V head, chunk of keys): each K/V head's L_b keys are cut into
+ *     chunks of chunk_keys, and the chunks of every head run at once;
+ *   - a block takes every query row that reads its K/V head: the G = H / Hkv query heads of
+ *     the group, Nq rows each, G Nq rows in all (contiguous in Q: heads G kvh .. G kvh + G - 1
+ *     of the sequence), padded to a warp's 16 row_frags(d) rows. So each element of K and V
+ *     crosses from memory once, whatever G is;
+ *   - the block's warps share each tile's keys, 16 each (09's share its rows; here there are
+ *     too few rows to share), each keeping its own running max, sum and O, which 09's
+ *     helpers update unchanged; at the end they are merged into the chunk's partial O (fp32,
+ *     normalised) and LSE, written to the workspace;
+ *   - merge_chunks_kernel combines a row's chunks by their LSE, stage 02's merge of partial
+ *     softmaxes, in a fixed order: no atomics, every run gives the same bits.
+ * The rule: a problem takes this path when one block's rows hold its group's G Nq query rows
+ * (G Nq <= 16 row_frags(d): 16 at d <= 64, 32 at d = 128), so that K and V are read once;
+ * any other problem takes 09's path above, which has GQA and cache lengths too. */
+__host__ __device__ constexpr int decode_rows(int d) { return row_frags(d) * MmaM; }
+/* Warps per decode block: 4, as a d = 128 block of 09 (two blocks an SM at 255 registers a
+ * thread), each taking 16 keys of a tile, one k-step of P V; so a tile has 64 keys, 09's Bc,
+ * and a d = 128 block's K and V tiles move 32 KiB per tile, 8 copies of 16 bytes a thread. */
+constexpr int DecodeWarps = 4, DecodeThreads = DecodeWarps * 32, DecodeKeys = DecodeWarps * MmaK;
+/* The chunk rule. A decode grid should fill the GPU DecodeWaves times over (waves of the
+ * blocks that fit on it at once), so that as blocks finish at different times the last of
+ * them leave few SMs idle; and a chunk should be long enough that a block's fixed costs
+ * (loading Q, waiting for its first tile, merging its warps, writing its partial, each about
+ * a tile's worth) stay small beside the tiles it streams, so at least MinChunkKeys keys. So
+ *   chunks = min(ceil(DecodeWaves x resident blocks / (B Hkv)), floor(Lmax / MinChunkKeys)),
+ *            at least 1;  chunk_keys = ceil(Lmax / chunks) rounded up to whole tiles,
+ * Lmax the longest cache. On an H100 (132 SMs, 2 blocks each at d = 128) with Hkv = 8:
+ * B = 1: 128 keys a chunk at L = 1k (64 blocks), 256 at 32k (1024 blocks), 1024 at 128k;
+ * B = 32: 4 chunks at 1k, 5 at 128k. ATTN_DECODE_CHUNK_KEYS=N (a multiple of 64) sets
+ * chunk_keys instead, for the tests and for measuring the rule. */
+#ifndef ATTN_DECODE_WAVES
+#define ATTN_DECODE_WAVES 4
+#endif
+constexpr int DecodeWaves = ATTN_DECODE_WAVES, MinChunkKeys = 2 * DecodeKeys;
+
+struct decode_plan {
+  int chunk_keys, chunks;
+};
+
+/* The chunk rule above; `resident`: blocks of the decode kernel the GPU holds at once. Plain
+ * host arithmetic, so that the workspace and the launch agree and a test can call it. */
+static decode_plan plan_chunks(const attn_problem *p, long resident) {
+  int lmax = 0;
+  for (int b = 0; b < p->batch; b++) lmax = max(lmax, attn_cache_len(p, b));
+  long pairs = (long)p->batch * attn_heads_kv(p);
+  long chunks = (DecodeWaves * resident + pairs - 1) / pairs;
+  chunks = max(1L, min(chunks, (long)(lmax / MinChunkKeys)));
+  long keys = (lmax + chunks - 1) / chunks;
+  keys = max((long)DecodeKeys, (keys + DecodeKeys - 1) / DecodeKeys * DecodeKeys);
+  if (int forced = attn_decode_chunk_keys()) {
+    if (forced % DecodeKeys != 0)
+      attn_fail(EXIT_BAD_USAGE,
+                "ATTN_DECODE_CHUNK_KEYS must be a multiple of %d (whole tiles), "
+                "got %d",
+                DecodeKeys, forced);
+    keys = forced;
+  }
+  return {(int)keys, (int)max(1L, (lmax + keys - 1) / keys)};
+}
+
+/* The block's warps hold a running max m_w, sum l_w and unnormalised O_w for the same rows
+ * over different keys; the chunk's partial is their merge (c = scale log2 e):
+ *   M = max_w m_w,   L = sum_w l_w 2^((m_w - M) c),   O = sum_w O_w 2^((m_w - M) c) / L,
+ * and its LSE in log2 units, M c + log2 L. A row that saw no key of the chunk (M = -inf) gets
+ * O = 0 and LSE = -inf. Each warp leaves O_w, m_w and l_w in shared memory (`work`: the
+ * tiles' memory, free now), then every thread combines 16-byte groups of the output, so that
+ * the partial leaves in coalesced stores. (The fragment-layout stores, rows D floats apart,
+ * meet 8-way bank conflicts: once a block, beside the tiles it streamed, they do not show.) */
+__host__ __device__ constexpr size_t merge_bytes(int d) {
+  return sizeof(float) * DecodeWarps * decode_rows(d) * (d + 2);
+}
+static_assert(merge_bytes(32) <= tile_bytes<__half>(32, DecodeKeys, decode_rows(32)) &&
+                  merge_bytes(64) <= tile_bytes<__half>(64, DecodeKeys, decode_rows(64)) &&
+                  merge_bytes(128) <= tile_bytes<__half>(128, DecodeKeys, decode_rows(128)),
+              "the warps' merge fits in the shared memory of the tiles it replaces");
+static_assert(tile_bytes<__half>(128, DecodeKeys, decode_rows(128)) <= 99 * 1024,
+              "a decode block fits the 99 KiB of sm_86 and sm_89 (72 KiB at d = 128)");
+template <int D>
+__device__ void merge_warps(const float (*acc)[D / MmaN][4], const float *m, float *l,
+                            float scale_log2, float *work, float *part_o, float *part_lse,
+                            int rows) {
+  constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags, Rows = decode_rows(D);
+  float *o_s = work, *m_s = o_s + DecodeWarps * Rows * D, *l_s = m_s + DecodeWarps * Rows;
+  int w = threadIdx.x / 32, g = threadIdx.x % 32 / Quad, t = threadIdx.x % Quad;
+#pragma unroll
+  for (int h = 0; h < LaneRows; h++) {
+    l[h] = sum_over_quad(l[h]); /* the lanes' partial sums, as in normalize_output */
+    if (t == 0) m_s[w * Rows + g + 8 * h] = m[h], l_s[w * Rows + g + 8 * h] = l[h];
+  }
+#pragma unroll
+  for (int f = 0; f < RowFrags; f++)
+#pragma unroll
+    for (int n = 0; n < D / MmaN; n++)
+#pragma unroll
+      for (int half = 0; half < 2; half++) /* rows g and g + 8 of the fragment */
+        *reinterpret_cast<float2 *>(o_s + (w * Rows + f * MmaM + g + 8 * half) * D + n * MmaN +
+                                    2 * t) =
+            make_float2(acc[f][n][2 * half], acc[f][n][2 * half + 1]);
+  __syncthreads(); /* RAW: every warp's O, max and sum are in shared memory */
+  for (int e = threadIdx.x * 4; e < rows * D; e += DecodeThreads * 4) {
+    int r = e / D;
+    float mx = -INFINITY, sum = 0.f;
+    float4 out = {0.f, 0.f, 0.f, 0.f};
+    for (int x = 0; x < DecodeWarps; x++) mx = fmaxf(mx, m_s[x * Rows + r]);
+    for (int x = 0; mx != -INFINITY && x < DecodeWarps; x++) {
+      float f = exp2_approx((m_s[x * Rows + r] - mx) * scale_log2); /* 0 for a warp with no key */
+      float4 o_w = *reinterpret_cast<const float4 *>(o_s + (x * Rows + r) * D + e % D);
+      sum += f * l_s[x * Rows + r];
+      out.x += f * o_w.x, out.y += f * o_w.y, out.z += f * o_w.z, out.w += f * o_w.w;
+    }
+    float inv = sum > 0.f ? 1.f / sum : 0.f;
+    *reinterpret_cast<float4 *>(part_o + e) =
+        make_float4(out.x * inv, out.y * inv, out.z * inv, out.w * inv);
+    if (e % D == 0) part_lse[r] = sum > 0.f ? mx * scale_log2 + log2f(sum) : -INFINITY;
+  }
+}
+
+/* One block: chunk `blockIdx.x % chunks` of K/V head pair = blockIdx.x / chunks (b Hkv + K/V
+ * head), so a head's chunks are adjacent. 09's forward loop, K and V double-buffered and
+ * waited for separately; warp w computes the tile's keys [16 w, 16 w + 16) for all rows. */
+template <int D, typename T>
+__global__ void __launch_bounds__(DecodeThreads, 2)
+    flash_decode_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                        const int *__restrict__ cache_lens, float *__restrict__ part_o,
+                        float *__restrict__ part_lse, int nq, int nkv, int heads_kv, int group,
+                        int chunk_keys, int chunks, float scale, int causal) {
+  constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags, Rows = decode_rows(D);
+  constexpr int BC = DecodeKeys, ld = padded<T>(D);
+  extern __shared__ __align__(256) float4 smem[];
+  T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + 2 * BC * ld, *Qs = Vs + 2 * BC * ld;
+  long pair = blockIdx.x / chunks;
+  int len = cache_lens ? cache_lens[pair / heads_kv] : nkv;
+  int j_begin = (int)(blockIdx.x % chunks) * chunk_keys, j_end = min(len, j_begin + chunk_keys);
+  if (j_begin >= len) return; /* past this sequence's cache: the merge reads nothing of it */
+  int rows = group * nq, w = threadIdx.x / 32, g = threadIdx.x % 32 / Quad;
+  const T *K = k + pair * nkv * D, *V = v + pair * nkv * D;
+  float acc[RowFrags][D / MmaN][4] = {}, s[RowFrags][MmaK / MmaN][4];
+  float m[LaneRows], l[LaneRows], m_blk[LaneRows];
+  unsigned q_frag[q_in_registers(D) ? D / MmaK : 1][4];
+  /* Row g + 8 h of the block is query i = (g + 8 h) % Nq of head (g + 8 h) / Nq of the group:
+   * it sees keys j < row_end[h] = len, or, causal, min(len, i + len - Nq + 1) (maybe <= 0). */
+  int row_end[LaneRows];
+#pragma unroll
+  for (int h = 0; h < LaneRows; h++) {
+    m[h] = -INFINITY, l[h] = 0.f;
+    row_end[h] = causal ? min(len, (g + 8 * h) % nq + len - nq + 1) : len;
+  }
+  load_tile<D, Rows, DecodeThreads>(q + pair * rows * D, rows, Qs);
+  float scale_log2 = scale == 0.f ? Log2e : fabsf(scale) * Log2e;
+  if (scale <= 0.f) {
+    __pipeline_commit();
+    __pipeline_wait_prior(0);
+    __syncthreads(); /* RAW: the Q tile has landed before it is rewritten */
+    for (int e = threadIdx.x; e < Rows * D; e += blockDim.x) {
+      T &x = Qs[swizzle<D, T>(e / D, e % D)];
+      x = T(scale < 0.f ? -float(x) : 0.f);
+    }
+  } /* (the first barrier of the loop orders these writes before the loads of Q) */
+  load_tile<D, BC, DecodeThreads>(K + (long)j_begin * D, min(BC, j_end - j_begin), Ks);
+  __pipeline_commit();
+  load_tile<D, BC, DecodeThreads>(V + (long)j_begin * D, min(BC, j_end - j_begin), Vs);
+  __pipeline_commit();
+  for (int j0 = j_begin, buf = 0; j0 < j_end; j0 += BC, buf ^= 1) {
+    int cols = min(BC, j_end - j0), next = j0 + BC;
+    T *Kn = Ks + (buf ^ 1) * BC * ld, *Vn = Vs + (buf ^ 1) * BC * ld;
+    if (next < j_end)
+      load_tile<D, BC, DecodeThreads>(K + (long)next * D, min(BC, j_end - next), Kn);
+    __pipeline_commit();
+    __pipeline_wait_prior(2); /* K(t) has landed; V(t) and K(t + 1) may still be in flight */
+    __syncthreads(); /* RAW: K(t) (the first time, Q too) is in shared memory; WAR: every warp is
+                      * done with P V(t - 1), so V(t + 1) may overwrite its buffer */
+    /* The warp's keys start at jw; row h sees row_cols[h] of its 16 (the chunk ends, the cache
+     * ends, or the causal limit falls inside them: masked). */
+    int jw = j0 + w * MmaK, row_cols[LaneRows];
+    bool masked = false;
+#pragma unroll
+    for (int h = 0; h < LaneRows; h++) {
+      row_cols[h] = min(j0 + cols, row_end[h]) - jw;
+      masked |= row_cols[h] < MmaK;
+    }
+    const T *Kt = Ks + (buf * BC + w * MmaK) * ld, *Vt = Vs + (buf * BC + w * MmaK) * ld;
+    if (q_in_registers(D) && j0 == j_begin) /* Q has landed: its operands, once */
+#pragma unroll
+      for (int kk = 0; kk < D / MmaK; kk++) ldmatrix_x4(q_frag[kk], a_operand<D>(Qs, 0, kk * MmaK));
+    compute_qk_scores_and_max<D, MmaK>(Qs, q_frag, Kt, masked, row_cols, s, m_blk);
+    merge_block_stats<D>(m_blk, scale_log2, m, l, acc);
+    if (next < j_end)
+      load_tile<D, BC, DecodeThreads>(V + (long)next * D, min(BC, j_end - next), Vn);
+    __pipeline_commit();
+    __pipeline_wait_prior(2); /* V(t) has landed; K(t + 1) and V(t + 1) may still be in flight */
+    __syncthreads();          /* RAW: V(t) is in shared memory; WAR: every warp is done with
+                               * S = Q K(t)^T, so K(t + 2) may overwrite its buffer */
+    compute_block_softmax_and_weighted_v<D, MmaK>(s, Vt, scale_log2, m, l, acc);
+  }
+  __pipeline_wait_prior(0); /* nothing is left in flight: the tiles' memory is reused below */
+  __syncthreads();          /* WAR: every warp is done with the last K and V tiles (and Q) */
+  merge_warps<D>(acc, m, l, scale_log2, reinterpret_cast<float *>(smem),
+                 part_o + (long)blockIdx.x * rows * D, part_lse + (long)blockIdx.x * rows, rows);
+}
+
+/* Threads of a merge block, one block per output row: D / 4 groups of 4 columns (16 bytes of
+ * each chunk's fp32 O), times MergeThreads / (D / 4) ways of splitting the chunks among them,
+ * so that a row's chunks are read by all 128 threads at once. */
+constexpr int MergeThreads = 128;
+
+/* The largest (is_max) or the sum of one value a thread of a MergeThreads block, returned to
+ * every thread. A fixed tree: the sum rounds the same way run after run. */
+__device__ float block_reduce(float x, bool is_max, float *red) {
+  for (int lanes = 16; lanes > 0; lanes /= 2) {
+    float y = __shfl_xor_sync(0xffffffffu, x, lanes);
+    x = is_max ? fmaxf(x, y) : x + y;
+  }
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
+  __syncthreads(); /* RAW: every warp's share is in shared memory */
+  x = red[0];
+  for (int w = 1; w < MergeThreads / 32; w++) x = is_max ? fmaxf(x, red[w]) : x + red[w];
+  __syncthreads(); /* WAR: every thread has read `red` before the next reduction writes it */
+  return x;
+}
+
+/* Row (b H + h) Nq + i of the output from its chunks' partials (O_c normalised, lse_c in log2
+ * units), stage 02's merge over all of them at once:
+ *   LSE = log2 sum_c 2^lse_c,   O = sum_c 2^(lse_c - LSE) O_c,
+ * each chunk weighted by its share of the row's whole exp-sum. Only the ceil(L_b / chunk_keys)
+ * chunks that hold keys of the sequence were written. A thread adds the chunks c = way, way +
+ * Ways, ... of its 4 columns; the Ways sums are then added in order of way. A fixed order:
+ * every run gives the same bits. */
+template <int D, typename T>
+__global__ void __launch_bounds__(MergeThreads)
+    merge_chunks_kernel(const float *__restrict__ part_o, const float *__restrict__ part_lse,
+                        const int *__restrict__ cache_lens, T *__restrict__ o,
+                        float *__restrict__ lse, int nq, int nkv, int heads, int group,
+                        int chunk_keys, int chunks) {
+  constexpr int Groups = D / 4, Ways = MergeThreads / Groups;
+  static_assert(MergeThreads % Groups == 0, "every thread has a group of columns");
+  __shared__ float red[MergeThreads / 32];
+  __shared__ float4 sums[MergeThreads];
+  long row = blockIdx.x, bh = row / nq;
+  int rows = group * nq, r = (int)(bh % group) * nq + (int)(row % nq);
+  int len = cache_lens ? cache_lens[bh / heads] : nkv, n = (len + chunk_keys - 1) / chunk_keys;
+  /* The partial of chunk c is that of decode block (bh / G) chunks + c: rows apart. */
+  const float *lse_c = part_lse + bh / group * chunks * rows + r;
+  const float *o_c = part_o + (bh / group * chunks * rows + r) * D;
+  float mx = -INFINITY, sum = 0.f;
+  for (int c = threadIdx.x; c < n; c += MergeThreads) mx = fmaxf(mx, lse_c[(long)c * rows]);
+  mx = block_reduce(mx, true, red);
+  for (int c = threadIdx.x; mx != -INFINITY && c < n; c += MergeThreads)
+    sum += exp2_approx(lse_c[(long)c * rows] - mx);
+  sum = block_reduce(sum, false, red);
+  float total = mx == -INFINITY ? -INFINITY : mx + log2f(sum); /* -inf: the row saw no key */
+  int group4 = threadIdx.x % Groups, way = threadIdx.x / Groups;
+  float4 a = {0.f, 0.f, 0.f, 0.f};
+  /* The chunks' loads are independent: several in flight at once hide L2's latency, which
+   * alone would make 128 chunks a few microseconds. */
+#pragma unroll 4
+  for (int c = way; total != -INFINITY && c < n; c += Ways) {
+    float weight = exp2_approx(lse_c[(long)c * rows] - total);
+    float4 x = reinterpret_cast<const float4 *>(o_c + (long)c * rows * D)[group4];
+    a.x += weight * x.x, a.y += weight * x.y, a.z += weight * x.z, a.w += weight * x.w;
+  }
+  sums[threadIdx.x] = a;
+  __syncthreads(); /* RAW: every way's sums are in shared memory */
+  if (way != 0) return;
+  for (int x = 1; x < Ways; x++) {
+    float4 b = sums[x * Groups + group4];
+    a.x += b.x, a.y += b.y, a.z += b.z, a.w += b.w;
+  }
+  *reinterpret_cast<uint2 *>(o + row * D + group4 * 4) =
+      make_uint2(pack2(a.x, a.y, T()), pack2(a.z, a.w, T()));
+  if (threadIdx.x == 0) lse[row] = total * Ln2;
+}
+
+/* The chunk plan on this GPU: the decode blocks one SM holds (by their registers and shared
+ * memory) times the SMs. */
+template <int D, typename T>
+static decode_plan plan_decode(const attn_problem *p) {
+  size_t bytes = tile_bytes<T>(D, DecodeKeys, decode_rows(D));
+  attn_require_shared_memory((const void *)flash_decode_kernel<D, T>, bytes, "flash_decode_kernel");
+  int device, sms, per_sm;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, flash_decode_kernel<D, T>,
+                                                           DecodeThreads, bytes));
+  return plan_chunks(p, (long)sms * max(per_sm, 1));
+}
+
+/* The decode path's workspace: each chunk's partial O (G Nq rows of d floats) and LSE. */
+static size_t decode_workspace(const attn_problem *p, decode_plan plan) {
+  return sizeof(float) * (size_t)p->batch * attn_heads_kv(p) * plan.chunks * attn_group(p) *
+         p->seq_q * (p->head_dim + 1);
+}
+
+template <int D, typename T>
+static void launch_decode(const attn_problem *p, const attn_buffers *t) {
+  decode_plan plan = plan_decode<D, T>(p);
+  long pairs = (long)p->batch * attn_heads_kv(p), blocks = pairs * plan.chunks;
+  int rows = attn_group(p) * p->seq_q;
+  if (blocks > INT_MAX || (long)attn_lse_elems(p) > INT_MAX)
+    attn_fail(EXIT_BAD_USAGE, "too many (sequence, K/V head, chunk) blocks for one grid: %ld",
+              blocks);
+  float *part_o = (float *)t->workspace, *part_lse = part_o + (size_t)blocks * rows * D;
+  size_t bytes = tile_bytes<T>(D, DecodeKeys, decode_rows(D));
+  flash_decode_kernel<D><<<(unsigned)blocks, DecodeThreads, bytes, attn_stream()>>>(
+      (const T *)t->q, (const T *)t->k, (const T *)t->v, t->cache_lens, part_o, part_lse, p->seq_q,
+      p->seq_kv, attn_heads_kv(p), attn_group(p), plan.chunk_keys, plan.chunks, p->scale,
+      p->causal);
+  CHECK_LAUNCH("flash_decode_kernel");
+  merge_chunks_kernel<D><<<(unsigned)attn_lse_elems(p), MergeThreads, 0, attn_stream()>>>(
+      part_o, part_lse, t->cache_lens, (T *)t->o, t->lse, p->seq_q, p->seq_kv, p->heads,
+      attn_group(p), plan.chunk_keys, plan.chunks);
+  CHECK_LAUNCH("merge_chunks_kernel");
+}
+
+/* The decode path's rule (see its comment above): the group's query rows fill one block. */
+static bool decode_shaped(const attn_problem *p, int d) {
+  return (long)attn_group(p) * p->seq_q <= decode_rows(d);
+}
+
+/* fp16, or bf16 through launch<D, __nv_bfloat16>: the harness uploads the problem's dtype. */
+template <int D, typename T = __half>
+static void launch(const attn_problem *p, const attn_buffers *t) {
+  if (p->dtype == DTYPE_BF16 && !std::is_same_v<T, __nv_bfloat16>)
+    return launch<D, __nv_bfloat16>(p, t);
+  if (decode_shaped(p, D)) return launch_decode<D, T>(p, t);
+  if (tile_bytes<T>(D, Bc, Br) <= attn_shared_memory_limit())
+    launch_forward<D, Bc, T>(p, t);
+  else
+    launch_forward<D, Bc_small, T>(p, t);
+}
+
+static void forward(const attn_problem *p, const attn_buffers *t) {
+  switch (p->head_dim) {
+    case 32: launch<32>(p, t); break;
+    case 64: launch<64>(p, t); break;
+    case 128: launch<128>(p, t); break;
+  }
+}
+
+/* The decode path's partials; 09's path needs none. */
+template <int D, typename T = __half>
+static size_t workspace(const attn_problem *p) {
+  if (p->dtype == DTYPE_BF16 && !std::is_same_v<T, __nv_bfloat16>)
+    return workspace<D, __nv_bfloat16>(p);
+  return decode_shaped(p, D) ? decode_workspace(p, plan_decode<D, T>(p)) : 0;
+}
+
+static size_t forward_workspace(const attn_problem *p) {
+  switch (p->head_dim) {
+    case 32: return workspace<32>(p);
+    case 64: return workspace<64>(p);
+    case 128: return workspace<128>(p);
+  }
+  return 0;
+}
+
+/* ---- the backward ------------------------------------------------------------------ */
+
+/* Keys per dK/dV block, 16 a warp: 8 warps, so that each Q and dO tile serves 128 keys
+ * (measured on an H100, fp16, N = 4096 and 16384: 8 warps 35% faster than 4 at d = 128). */
+constexpr int Bc_bwd = 128;
+/* Keys per dK/dV block where the device cannot give a block dkdv_bytes(d, Bc_bwd) (137 KiB
+ * at d = 128; sm_86 and sm_89 allow 99 KiB, sm_80 163 KiB): half the keys and query rows. */
+constexpr int Bc_bwd_small = 64;
+/* Query steps (16 queries each) whose S^T and dP^T a dK/dV warp computes per load of its
+ * K and V operands: each operand then feeds QSteps products instead of one. Measured on an
+ * H100 (fp16, N = 4096 and 16384, causal and not, one command): at d = 128, 4 steps
+ * 164-204 TFLOP/s backward against 146-180 for 1 step and 157-196 for 2; at d = 64, 2 steps
+ * 160-196 against 159-191 for 1 and 151-183 for 4 (which spills under the 2-block cap, and
+ * runs at 150-179 with one block an SM). -DATTN_BWD_QSTEPS=N sets N at every d. */
+#ifndef ATTN_BWD_QSTEPS
+#define ATTN_BWD_QSTEPS 0
+#endif
+__host__ __device__ constexpr int query_steps(int d) {
+  return ATTN_BWD_QSTEPS ? ATTN_BWD_QSTEPS : d > 64 ? 4 : 2;
+}
+/* A dK/dV warp's keys: 32 (two fragments), so that each Q and dO operand it loads feeds two
+ * mma.sync instead of one. Measured on an H100 (fp16, N = 4096 and 16384, causal and not,
+ * one command) against 16 keys a warp (-DATTN_BWD_WARP_KEYS=16, one warp a group at every d):
+ * backward +8 to +12% at d = 64, +2 to +4% at d = 128. */
+#ifndef ATTN_BWD_WARP_KEYS
+#define ATTN_BWD_WARP_KEYS 32
+#endif
+constexpr int WarpKeys = ATTN_BWD_WARP_KEYS;
+static_assert(WarpKeys % MmaM == 0, "whole fragments of keys");
+/* Warps that share a group of WarpKeys keys. At d <= 64 one, which keeps dK and dV of its 32
+ * keys (64 registers a lane at d = 64) and P^T, dS^T in registers. At d = 128 dK and dV of 32
+ * keys would take 256 registers a lane, so two: each makes P^T and dS^T for half of a query
+ * tile and writes them to shared memory, then adds dK and dV for half of the columns over
+ * the whole tile, reading them back (FlashAttention-2's split). */
+__host__ __device__ constexpr int key_group_warps(int d) {
+  return WarpKeys > MmaM && d > 64 ? 2 : 1;
+}
+__host__ __device__ constexpr int dkdv_threads(int d, int bc) {
+  return bc / WarpKeys * key_group_warps(d) * 32;
+}
+/* Query rows per tile of the dK/dV kernel: half its keys (64 rows, like Bc in the forward). */
+__host__ __device__ constexpr int rows_bwd(int bc) { return bc / 2; }
+/* The dQ kernel: 4 warps of 16 query rows each, walking tiles of 32 keys, half the forward's,
+ * so that its shared memory (68 KiB at d = 128) lets 3 blocks share an SM; measured on an
+ * H100, +3 to +7% on the backward at d = 128 and +2 to +3% at d = 64, against 64 keys. */
+constexpr int Br_dq = 4 * MmaM, Bc_dq = 32;
+static_assert(rows_bwd(Bc_bwd_small) % MmaK == 0 && Bc_dq % MmaK == 0, "whole k-steps");
+
+/* Blocks of the dK/dV kernel that must fit an SM at once, which caps its registers: at
+ * d <= 64, 2 blocks of 4 warps (up to 255 registers a thread: dK and dV of 32 keys take 64
+ * of them); at d = 128, 1 of 8. */
+__host__ __device__ constexpr int dkdv_blocks_per_sm(int d) { return d <= 64 ? 2 : 1; }
+/* Blocks of the dQ kernel that must fit an SM at once. Its Q and dO operands stay in
+ * registers, where the compiler would take 132 registers at d = 64 and 178 at d = 128 (3 and
+ * 2 blocks); capped, 4 blocks at d <= 64 (128 registers, no spill) and 3 at d = 128 (168, an
+ * 8-byte spill). -DATTN_DQ_BLOCKS=N sets N at every d, for measuring the choice. */
+#ifndef ATTN_DQ_BLOCKS
+#define ATTN_DQ_BLOCKS 0
+#endif
+__host__ __device__ constexpr int dq_blocks_per_sm(int d) {
+  return ATTN_DQ_BLOCKS ? ATTN_DQ_BLOCKS : d <= 64 ? 4 : 3;
+}
+
+/* D of every row, then the fp32 dQ that the dK/dV kernel adds into by atomics. */
+static size_t backward_workspace(const attn_problem *p) {
+  return sizeof(float) * (attn_lse_elems(p) + (size_t)attn_lse_elems(p) * p->head_dim);
+}
+
+/* Shared memory of the dK/dV kernel: K and V (bc x d), double-buffered Q and dO tiles, LSE
+ * and D of their rows, and dS^T of one query tile (bc x rows_bwd(bc)), from which the block
+ * multiplies dQ += dS K; where two warps share a key group, P^T of the tile too. */
+template <typename T>
+static constexpr size_t dkdv_bytes(int d, int bc) {
+  return sizeof(T) * (2 * (size_t)bc + 4 * rows_bwd(bc)) * padded<T>(d) +
+         sizeof(float) * 4 * rows_bwd(bc) +
+         (key_group_warps(d) > 1 ? 2 : 1) * sizeof(T) * bc * padded<T>(rows_bwd(bc));
+}
+static_assert(tile_bytes<__half>(128, Bc_small, Br) <= 99 * 1024 &&
+                  tile_bytes<__half>(128, Bc_dq, 2 * Br_dq) <= 99 * 1024 &&
+                  dkdv_bytes<__half>(128, Bc_bwd_small) <= 99 * 1024,
+              "every kernel has a configuration within the 99 KiB of sm_86 and sm_89");
+
+/* D_i = sum_c dO_ic O_ic, one thread per row. (It equals sum_j dP_ij P_ij: the backward of
+ * the softmax needs exactly this dot product, and O = P V makes it a d-term sum.) */
+template <typename T>
+__global__ void compute_delta_kernel(const T *o, const T *d_o, float *delta, long rows, int d) {
+  long r = blockIdx.x * (long)blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  float sum = 0.f;
+  for (int c = 0; c < d; c++) sum += float(d_o[r * d + c]) * float(o[r * d + c]);
+  delta[r] = sum;
+}
+
+/* Copies `rows` rows of LSE and D into shared memory, by cp.async like the Q and dO tiles
+ * (a plain load would stall its warp on global memory's latency every tile); the rows past
+ * them up to `tile_rows` get 0 (they are masked anyway). LSE becomes log2 units where read. */
+__device__ void load_row_stats(const float *lse, const float *delta, int rows, int tile_rows,
+                               float *lse_s, float *delta_s) {
+  for (int e = threadIdx.x; e < tile_rows; e += blockDim.x) {
+    if (e < rows)
+      __pipeline_memcpy_async(lse_s + e, lse + e, 4),
+          __pipeline_memcpy_async(delta_s + e, delta + e, 4);
+    else
+      lse_s[e] = 0.f, delta_s[e] = 0.f;
+  }
+}
+
+/* P = 2^(s scale log2(e) - LSE) (LSE in log2 units) and dS = P (dP - D) for the four
+ * elements of an accumulator, left as half an A operand: out[0] packs rows 0-7, out[1] rows
+ * 8-15. A masked element is 0, and exp2 is never asked for it, so a row that sees no key
+ * (LSE = -inf) cannot make a NaN. P <= 1 exactly, but an fp32 LSE of logits near 1e11 (bf16
+ * inputs near 1e5) is known only to about 4096, and 2^4096 is inf; the clamp keeps P a
+ * probability, so such inputs give finite gradients instead of NaN. */
+template <typename T>
+__device__ void probabilities_and_ds(const float *s, const float *dp, float scale_log2,
+                                     const float *lse, const float *delta, const bool *visible,
+                                     unsigned *p_out, unsigned *ds_out) {
+  float p[4], ds[4];
+#pragma unroll
+  for (int e = 0; e < 4; e++) {
+    p[e] = visible[e] ? fminf(1.f, exp2_approx(fmaf(s[e], scale_log2, -lse[e]))) : 0.f;
+    ds[e] = p[e] * (dp[e] - delta[e]);
+  }
+  p_out[0] = pack2(p[0], p[1], T()), p_out[1] = pack2(p[2], p[3], T());
+  ds_out[0] = pack2(ds[0], ds[1], T()), ds_out[1] = pack2(ds[2], ds[3], T());
+}
+
+/* dQ += dS K for one query tile of the dK/dV kernel, FlashAttention-2's way: the block's
+ * warps share the product of the tile's dS (Br_bwd queries x BC keys, read transposed from
+ * dS^T in shared memory) and its K tile; warp w takes 16 queries and Cols of the D columns,
+ * and adds its 16 x Cols into the fp32 dQ by atomics, rows past `rows` left out. Blocks of
+ * other keys add into the same rows in no fixed order, so dQ's last bits change from run to
+ * run; ATTN_DETERMINISTIC=1 runs the dQ kernel instead. */
+template <int D, int BC, typename T>
+__device__ void accumulate_dq(const T *dSt, const T *Ks, float *dq_accum, int rows) {
+  constexpr int Br_bwd = rows_bwd(BC), QFrags = Br_bwd / MmaM;
+  constexpr int Warps = dkdv_threads(D, BC) / 32, Cols = D * QFrags / Warps;
+  static_assert(Warps % QFrags == 0 && Cols % 16 == 0, "the warps cover the tile's queries");
+  int w = threadIdx.x / 32, qf = w % QFrags, c0 = w / QFrags * Cols;
+  float acc[Cols / MmaN][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < BC / MmaK; kk++) {
+    unsigned a[4]; /* dS (queries x keys) is dS^T read with .trans: b_operand's lane rows */
+    ldmatrix_x4_trans(a, b_operand<Br_bwd>(dSt, kk * MmaK, qf * MmaM));
+#pragma unroll
+    for (int n2 = 0; n2 < Cols / 16; n2++) {
+      unsigned b[4];
+      ldmatrix_x4_trans(b, b_operand_trans<D>(Ks, kk * MmaK, c0 + n2 * 16));
+      mma_m16n8k16(acc[2 * n2], a, b, T()), mma_m16n8k16(acc[2 * n2 + 1], a, b + 2, T());
+    }
+  }
+  int g = threadIdx.x % 32 / Quad, tq = threadIdx.x % Quad;
+#pragma unroll
+  for (int n = 0; n < Cols / MmaN; n++)
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      int r = qf * MmaM + g + 8 * (e / 2);
+      if (r < rows) atomicAdd(dq_accum + (long)r * D + c0 + n * MmaN + 2 * tq + e % 2, acc[n][e]);
+    }
+}
+
+/* dV += P^T dO and dK += dS^T Q for one step of 16 queries (step n2 of the tile): the P^T and
+ * dS^T of the warp's FRAGS x 16 keys as A operands, the step's rows of dO and Q, columns
+ * [c0, c0 + COLS), read transposed as B. */
+template <int D, int COLS, int FRAGS, typename T>
+__device__ void update_dkdv(const unsigned (*p_frag)[4], const unsigned (*ds_frag)[4], const T *dOt,
+                            const T *Qt, int n2, int c0, float (*dv_acc)[COLS / MmaN][4],
+                            float (*dk_acc)[COLS / MmaN][4]) {
+#pragma unroll
+  for (int c2 = 0; c2 < COLS / 16; c2++) {
+    unsigned b[4];
+    ldmatrix_x4_trans(b, b_operand_trans<D>(dOt, n2 * 16, c0 + c2 * 16));
+#pragma unroll
+    for (int f = 0; f < FRAGS; f++)
+      mma_m16n8k16(dv_acc[f][2 * c2], p_frag[f], b, T()),
+          mma_m16n8k16(dv_acc[f][2 * c2 + 1], p_frag[f], b + 2, T());
+    ldmatrix_x4_trans(b, b_operand_trans<D>(Qt, n2 * 16, c0 + c2 * 16));
+#pragma unroll
+    for (int f = 0; f < FRAGS; f++)
+      mma_m16n8k16(dk_acc[f][2 * c2], ds_frag[f], b, T()),
+          mma_m16n8k16(dk_acc[f][2 * c2 + 1], ds_frag[f], b + 2, T());
+  }
+}
+
+/* The block's BC keys in groups of WarpKeys (32), each group's dK and dV in accumulators while
+ * the block walks the query tiles: S^T = K Q^T and dP^T = V dO^T (keys as rows), P^T and dS^T
+ * made in registers, then dV += P^T dO and dK += dS^T Q, 16 queries a k-step. One warp a
+ * group (d <= 64) does all of it in registers. Two warps a group (d = 128) each make P^T and
+ * dS^T for half of the tile's queries and write them to shared memory, then each adds dK and
+ * dV for half of the columns over the whole tile, reading P^T and dS^T back as A operands. */
+template <int D, int BC, bool AtomicDq, typename T>
+__global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
+    flash_backward_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ k,
+                               const T *__restrict__ v, const T *__restrict__ d_o,
+                               const float *__restrict__ lse, const float *__restrict__ delta,
+                               T *__restrict__ dk, T *__restrict__ dv, float *__restrict__ dq_accum,
+                               int nq, int nkv, int heads, float scale, int causal) {
+  constexpr int KeyFrags = WarpKeys / MmaM, Split = key_group_warps(D);
+  constexpr int ld = padded<T>(D), Br_bwd = rows_bwd(BC), Threads = dkdv_threads(D, BC);
+  constexpr int WarpSteps = Br_bwd / Split / MmaK, Cols = D / Split; /* each warp's share */
+  constexpr int QSteps = query_steps(D) < WarpSteps ? query_steps(D) : WarpSteps;
+  static_assert(WarpSteps % QSteps == 0 && Cols % 16 == 0, "whole query steps and columns");
+  extern __shared__ __align__(256) float4 smem_bwd[];
+  T *Ks = reinterpret_cast<T *>(smem_bwd), *Vs = Ks + BC * ld;
+  T *Qs = Vs + BC * ld, *dOs = Qs + 2 * Br_bwd * ld; /* Q and dO double-buffered */
+  float *lse_s = reinterpret_cast<float *>(dOs + 2 * Br_bwd * ld), *delta_s = lse_s + 2 * Br_bwd;
+  T *dSt = reinterpret_cast<T *>(delta_s + 2 * Br_bwd); /* dS^T of the tile, for dQ */
+  T *Pt = dSt + BC * padded<T>(Br_bwd);                 /* P^T of the tile, if Split > 1 */
+  int key_blocks = (nkv + BC - 1) / BC;
+  long bh = blockIdx.x / key_blocks;
+  int g = threadIdx.x % 32 / Quad, tq = threadIdx.x % Quad;
+  int w = threadIdx.x / 32, part = Split > 1 ? w / (BC / WarpKeys) : 0; /* the warp's share */
+  int j0 = (int)(blockIdx.x % key_blocks) * BC, jw = j0 + w % (BC / WarpKeys) * WarpKeys;
+  int offset = nkv - nq, c0 = part * Cols;
+  const T *Kw = Ks + (jw - j0) * ld, *Vw = Vs + (jw - j0) * ld; /* the group's keys */
+  const T *Q = q + bh * nq * D, *dO = d_o + bh * nq * D;
+  load_kv_tile<D, BC, Threads>(k + (bh * nkv + j0) * D, v + (bh * nkv + j0) * D, min(BC, nkv - j0),
+                               Ks, Vs);
+  float dk_acc[KeyFrags][Cols / MmaN][4] = {}, dv_acc[KeyFrags][Cols / MmaN][4] = {};
+  const float scale_log2 = scale * Log2e;
+  /* Under the causal mask the first query that sees key j0 is j0 - offset: the query tiles
+   * before it are skipped. */
+  int i_begin = causal ? max(0, j0 - offset) : 0;
+  if (i_begin < nq) {
+    load_kv_tile<D, Br_bwd, Threads>(Q + (long)i_begin * D, dO + (long)i_begin * D,
+                                     min(Br_bwd, nq - i_begin), Qs, dOs);
+    load_row_stats(lse + bh * nq + i_begin, delta + bh * nq + i_begin, min(Br_bwd, nq - i_begin),
+                   Br_bwd, lse_s, delta_s);
+  }
+  __pipeline_commit();
+  for (int i0 = i_begin, buf = 0; i0 < nq; i0 += Br_bwd, buf ^= 1) {
+    __pipeline_wait_prior(0);
+    __syncthreads(); /* RAW: the Q/dO tile, LSE and D (the first time, K and V) are in shared
+                      * memory; WAR: every warp is done with the last tile, so its Q/dO buffer
+                      * may be refilled and its P^T and dS^T rewritten */
+    int next = i0 + Br_bwd, rows = min(Br_bwd, nq - next), nb = (buf ^ 1) * Br_bwd;
+    if (next < nq) { /* the next tile's copy overlaps this tile's products */
+      load_kv_tile<D, Br_bwd, Threads>(Q + (long)next * D, dO + (long)next * D, rows, Qs + nb * ld,
+                                       dOs + nb * ld);
+      load_row_stats(lse + bh * nq + next, delta + bh * nq + next, rows, Br_bwd, lse_s + nb,
+                     delta_s + nb);
+    }
+    __pipeline_commit();
+    const T *Qt = Qs + buf * Br_bwd * ld, *dOt = dOs + buf * Br_bwd * ld;
+    const float *lse_t = lse_s + buf * Br_bwd, *delta_t = delta_s + buf * Br_bwd;
+    /* Only a tile with rows past the end of the queries, keys past the end of the keys, or a
+     * key that some of its rows must not see (it crosses the diagonal) tests visibility. */
+    bool masked =
+        i0 + Br_bwd > nq || jw + WarpKeys > nkv || (causal && jw + WarpKeys - 1 > i0 + offset);
+    /* QSteps query steps of 16 share each load of the warp's K and V operands */
+#pragma unroll
+    for (int qq = 0; qq < WarpSteps; qq += QSteps) {
+      const int q0 = part * WarpSteps + qq;
+      float s[QSteps][KeyFrags][2][4] = {}, dp[QSteps][KeyFrags][2][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < D / MmaK; kk++) {
+        unsigned a[KeyFrags][4], b[4];
+#pragma unroll
+        for (int f = 0; f < KeyFrags; f++) ldmatrix_x4(a[f], a_operand<D>(Kw, f * MmaM, kk * MmaK));
+#pragma unroll
+        for (int q = 0; q < QSteps; q++) {
+          ldmatrix_x4(b, b_operand<D>(Qt, (q0 + q) * 16, kk * MmaK));
+#pragma unroll
+          for (int f = 0; f < KeyFrags; f++)
+            mma_m16n8k16(s[q][f][0], a[f], b, T()), mma_m16n8k16(s[q][f][1], a[f], b + 2, T());
+        }
+#pragma unroll
+        for (int f = 0; f < KeyFrags; f++) ldmatrix_x4(a[f], a_operand<D>(Vw, f * MmaM, kk * MmaK));
+#pragma unroll
+        for (int q = 0; q < QSteps; q++) {
+          ldmatrix_x4(b, b_operand<D>(dOt, (q0 + q) * 16, kk * MmaK));
+#pragma unroll
+          for (int f = 0; f < KeyFrags; f++)
+            mma_m16n8k16(dp[q][f][0], a[f], b, T()), mma_m16n8k16(dp[q][f][1], a[f], b + 2, T());
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < QSteps; q++) {
+        const int n2 = q0 + q;
+        unsigned p_frag[KeyFrags][4], ds_frag[KeyFrags][4];
+#pragma unroll
+        for (int half = 0; half < 2; half++) { /* queries 0-7, then 8-15 of the k-step */
+          int col = n2 * 16 + half * MmaN + 2 * tq;
+          float lo = lse_t[col] * Log2e, hi = lse_t[col + 1] * Log2e;
+          float lse_e[4] = {lo, hi, lo, hi};
+          float delta_e[4] = {delta_t[col], delta_t[col + 1], delta_t[col], delta_t[col + 1]};
+#pragma unroll
+          for (int f = 0; f < KeyFrags; f++) {
+            bool visible[4] = {true, true, true, true};
+            if (masked)
+#pragma unroll
+              for (int e = 0; e < 4; e++) {
+                int i = i0 + col + e % 2, j = jw + f * MmaM + g + 8 * (e / 2);
+                visible[e] = i < nq && j < nkv && (!causal || j <= i + offset);
+              }
+            probabilities_and_ds<T>(s[q][f][half], dp[q][f][half], scale_log2, lse_e, delta_e,
+                                    visible, p_frag[f] + 2 * half, ds_frag[f] + 2 * half);
+#pragma unroll
+            for (int h = 0; h < 2; h++) { /* rows g and g + 8 of the fragment's keys */
+              int at = swizzle<Br_bwd, T>(jw - j0 + f * MmaM + g + 8 * h, col);
+              if (AtomicDq || Split > 1)
+                *reinterpret_cast<unsigned *>(dSt + at) = ds_frag[f][2 * half + h];
+              if (Split > 1) *reinterpret_cast<unsigned *>(Pt + at) = p_frag[f][2 * half + h];
+            }
+          }
+        }
+        if (Split == 1)
+          update_dkdv<D, Cols, KeyFrags>(p_frag, ds_frag, dOt, Qt, n2, 0, dv_acc, dk_acc);
+      }
+    }
+    if (AtomicDq || Split > 1)
+      __syncthreads(); /* RAW: the whole tile's dS^T (and P^T) are in shared memory */
+    if (Split > 1)
+#pragma unroll
+      for (int n2 = 0; n2 < Br_bwd / MmaK; n2++) { /* every query step, the warp's columns */
+        unsigned p_frag[KeyFrags][4], ds_frag[KeyFrags][4];
+#pragma unroll
+        for (int f = 0; f < KeyFrags; f++) {
+          ldmatrix_x4(p_frag[f], a_operand<Br_bwd>(Pt, jw - j0 + f * MmaM, n2 * MmaK));
+          ldmatrix_x4(ds_frag[f], a_operand<Br_bwd>(dSt, jw - j0 + f * MmaM, n2 * MmaK));
+        }
+        update_dkdv<D, Cols, KeyFrags>(p_frag, ds_frag, dOt, Qt, n2, c0, dv_acc, dk_acc);
+      }
+    if (AtomicDq) accumulate_dq<D, BC>(dSt, Ks, dq_accum + (bh * nq + i0) * D, nq - i0);
+  }
+  __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
+  float dk_factor[2 * KeyFrags], dv_factor[2 * KeyFrags];
+#pragma unroll
+  for (int h = 0; h < 2 * KeyFrags; h++) dk_factor[h] = scale, dv_factor[h] = 1.f;
+  store_tile<Cols, KeyFrags>(dk_acc, dk_factor, dk + (bh * nkv + jw) * D + c0, nkv - jw, D);
+  store_tile<Cols, KeyFrags>(dv_acc, dv_factor, dv + (bh * nkv + jw) * D + c0, nkv - jw, D);
+}
+
+/* A warp per 16 query rows, keeping dQ in accumulators while it walks the key tiles like the
+ * forward, 16 keys at a time: S = Q K^T and dP = dO V^T, dS = P (dP - D) made in registers,
+ * then dQ += dS K with those 16 keys as the k-step. */
+template <int D, typename T>
+__global__ void __launch_bounds__(threads_for(Br_dq, MmaM), dq_blocks_per_sm(D))
+    flash_backward_dq_kernel(const T *__restrict__ q, const T *__restrict__ k,
+                             const T *__restrict__ v, const T *__restrict__ d_o,
+                             const float *__restrict__ lse, const float *__restrict__ delta,
+                             T *__restrict__ dq, int nq, int nkv, int heads, float scale,
+                             int causal) {
+  constexpr int ld = padded<T>(D), Bc = Bc_dq, Threads = threads_for(Br_dq, MmaM);
+  extern __shared__ __align__(256) float4 smem[];
+  T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + 2 * Bc * ld, *Qs = Vs + 2 * Bc * ld;
+  T *dOs = Qs + Br_dq * ld;
+  int row_blocks = (nq + Br_dq - 1) / Br_dq;
+  long bh = causal ? blockIdx.x % heads : blockIdx.x / row_blocks;
+  int i0 = (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) *
+           Br_dq;
+  int iw = i0 + threadIdx.x / 32 * MmaM, g = threadIdx.x % 32 / Quad, tq = threadIdx.x % Quad;
+  const T *Qw = Qs + (iw - i0) * ld, *dOw = dOs + (iw - i0) * ld; /* the warp's 16 rows */
+  const T *K = k + bh * nkv * D, *V = v + bh * nkv * D;
+  float dq_acc[1][D / MmaN][4] = {};
+  /* The warp's Q and dO rows as A operands, read once from shared memory: the same 16 rows
+   * meet every key tile, and reloading them would double the ldmatrix reads of S and dP. */
+  unsigned q_frag[D / MmaK][4], do_frag[D / MmaK][4];
+  const float scale_log2 = scale * Log2e;
+  load_kv_tile<D, Br_dq, Threads>(q + (bh * nq + i0) * D, d_o + (bh * nq + i0) * D,
+                                  min(Br_dq, nq - i0), Qs, dOs);
+  /* LSE (log2 units) and D of the lane's two rows, in registers; rows past the end get 0. */
+  float lse_e[4], delta_e[4];
+#pragma unroll
+  for (int e = 0; e < 4; e++) {
+    int i = iw + g + 8 * (e / 2);
+    lse_e[e] = i < nq ? lse[bh * nq + i] * Log2e : 0.f;
+    delta_e[e] = i < nq ? delta[bh * nq + i] : 0.f;
+  }
+  int offset = nkv - nq, last_row = min(i0 + Br_dq, nq) - 1;
+  int kv_end = causal ? max(0, min(nkv, last_row + offset + 1)) : nkv;
+  if (kv_end > 0) load_kv_tile<D, Bc, Threads>(K, V, min(Bc, nkv), Ks, Vs);
+  __pipeline_commit();
+  for (int j0 = 0, buf = 0; j0 < kv_end; j0 += Bc, buf ^= 1) {
+    int next = j0 + Bc;
+    if (next < kv_end)
+      load_kv_tile<D, Bc, Threads>(K + (long)next * D, V + (long)next * D, min(Bc, nkv - next),
+                                   Ks + (buf ^ 1) * Bc * ld, Vs + (buf ^ 1) * Bc * ld);
+    __pipeline_commit();
+    __pipeline_wait_prior(1);
+    __syncthreads(); /* RAW: the whole tile (the first time, Q and dO too) is in shared memory */
+    const T *Kt = Ks + buf * Bc * ld, *Vt = Vs + buf * Bc * ld;
+    if (j0 == 0) /* Q and dO have landed: their operands, once */
+#pragma unroll
+      for (int kk = 0; kk < D / MmaK; kk++)
+        ldmatrix_x4(q_frag[kk], a_operand<D>(Qw, 0, kk * MmaK)),
+            ldmatrix_x4(do_frag[kk], a_operand<D>(dOw, 0, kk * MmaK));
+    /* Only a tile with keys past the end, rows past the end, or crossing the warp's
+     * diagonal tests visibility. */
+    bool masked = j0 + Bc > nkv || iw + MmaM > nq || (causal && j0 + Bc - 1 > iw + offset);
+#pragma unroll
+    for (int n2 = 0; n2 < Bc / MmaK; n2++) { /* 16 keys: one k-step of dQ */
+      float s[2][4] = {}, dp[2][4] = {};
+#pragma unroll
+      for (int kk = 0; kk < D / MmaK; kk++) {
+        unsigned b[4];
+        ldmatrix_x4(b, b_operand<D>(Kt, n2 * 16, kk * MmaK));
+        mma_m16n8k16(s[0], q_frag[kk], b, T()), mma_m16n8k16(s[1], q_frag[kk], b + 2, T());
+        ldmatrix_x4(b, b_operand<D>(Vt, n2 * 16, kk * MmaK));
+        mma_m16n8k16(dp[0], do_frag[kk], b, T()), mma_m16n8k16(dp[1], do_frag[kk], b + 2, T());
+      }
+      unsigned p_frag[4], ds_frag[4];
+#pragma unroll
+      for (int half = 0; half < 2; half++) { /* keys 0-7, then 8-15 of the k-step */
+        bool visible[4] = {true, true, true, true};
+        if (masked)
+#pragma unroll
+          for (int e = 0; e < 4; e++) {
+            int i = iw + g + 8 * (e / 2), j = j0 + n2 * 16 + half * MmaN + 2 * tq + e % 2;
+            visible[e] = i < nq && j < nkv && (!causal || j <= i + offset);
+          }
+        probabilities_and_ds<T>(s[half], dp[half], scale_log2, lse_e, delta_e, visible,
+                                p_frag + 2 * half, ds_frag + 2 * half);
+      }
+#pragma unroll
+      for (int c2 = 0; c2 < D / 16; c2++) {
+        unsigned b[4];
+        ldmatrix_x4_trans(b, b_operand_trans<D>(Kt, n2 * 16, c2 * 16));
+        mma_m16n8k16(dq_acc[0][2 * c2], ds_frag, b, T());
+        mma_m16n8k16(dq_acc[0][2 * c2 + 1], ds_frag, b + 2, T());
+      }
+    }
+    __syncthreads(); /* WAR: every warp is done with buffer `buf` before tile t + 2 fills it */
+  }
+  __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
+  const float dq_factor[2] = {scale, scale};
+  store_tile<D, 1>(dq_acc, dq_factor, dq + (bh * nq + iw) * D, nq - iw);
+}
+
+/* dQ = scale times the fp32 sums the dK/dV kernel added up, in the dtype. */
+template <typename T>
+__global__ void convert_dq_kernel(const float *dq_accum, T *dq, long elems, float scale) {
+  long e = blockIdx.x * (long)blockDim.x + threadIdx.x;
+  if (e < elems) dq[e] = T(scale * dq_accum[e]);
+}
+
+template <int D, int BC, bool AtomicDq, typename T>
+static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const float *delta,
+                        float *dq_accum) {
+  int heads = p->batch * p->heads;
+  attn_require_shared_memory((const void *)flash_backward_dkdv_kernel<D, BC, AtomicDq, T>,
+                             dkdv_bytes<T>(D, BC), "flash_backward_dkdv_kernel");
+  unsigned key_blocks = (unsigned)((p->seq_kv + BC - 1) / BC * heads);
+  flash_backward_dkdv_kernel<D, BC, AtomicDq>
+      <<<key_blocks, dkdv_threads(D, BC), dkdv_bytes<T>(D, BC), attn_stream()>>>(
+          (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
+          (T *)t->dk, (T *)t->dv, dq_accum, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
+  CHECK_LAUNCH("flash_backward_dkdv_kernel");
+}
+
+template <int D, typename T = __half>
+static void launch_backward(const attn_problem *p, const attn_buffers *t) {
+  if (p->dtype == DTYPE_BF16 && !std::is_same_v<T, __nv_bfloat16>)
+    return launch_backward<D, __nv_bfloat16>(p, t);
+  int heads = p->batch * p->heads;
+  long rows = (long)heads * p->seq_q;
+  float *delta = (float *)t->workspace;
+  const int delta_threads = 256; /* a memory-bound pass: any full-warp count will do */
+  compute_delta_kernel<<<(unsigned)((rows + delta_threads - 1) / delta_threads), delta_threads, 0,
+                         attn_stream()>>>((const T *)t->o, (const T *)t->d_o, delta, rows, D);
+  CHECK_LAUNCH("compute_delta_kernel");
+  /* dQ by atomics from the dK/dV kernel (five products a tile), or, with
+   * ATTN_DETERMINISTIC=1, by the dQ kernel (seven, every bit the same run after run). */
+  bool atomic_dq = !attn_deterministic();
+  float *dq_accum = delta + rows;
+  long dq_elems = rows * D;
+  if (atomic_dq) CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, sizeof(float) * dq_elems, attn_stream()));
+  bool big = dkdv_bytes<T>(D, Bc_bwd) <= attn_shared_memory_limit();
+  if (atomic_dq && big) launch_dkdv<D, Bc_bwd, true, T>(p, t, delta, dq_accum);
+  if (atomic_dq && !big) launch_dkdv<D, Bc_bwd_small, true, T>(p, t, delta, dq_accum);
+  if (!atomic_dq && big) launch_dkdv<D, Bc_bwd, false, T>(p, t, delta, dq_accum);
+  if (!atomic_dq && !big) launch_dkdv<D, Bc_bwd_small, false, T>(p, t, delta, dq_accum);
+  if (atomic_dq) {
+    const int convert_threads = 256; /* a memory-bound pass: any full-warp count will do */
+    convert_dq_kernel<<<(unsigned)((dq_elems + convert_threads - 1) / convert_threads),
+                        convert_threads, 0, attn_stream()>>>(dq_accum, (T *)t->dq, dq_elems,
+                                                             p->scale);
+    CHECK_LAUNCH("convert_dq_kernel");
+    return;
+  }
+  size_t dq_bytes = tile_bytes<T>(D, Bc_dq, 2 * Br_dq);
+  attn_require_shared_memory((const void *)flash_backward_dq_kernel<D, T>, dq_bytes,
+                             "flash_backward_dq_kernel");
+  unsigned row_blocks = (unsigned)((p->seq_q + Br_dq - 1) / Br_dq * heads);
+  flash_backward_dq_kernel<D><<<row_blocks, threads_for(Br_dq, MmaM), dq_bytes, attn_stream()>>>(
+      (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
+      (T *)t->dq, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
+  CHECK_LAUNCH("flash_backward_dq_kernel");
+}
+
+static void backward(const attn_problem *p, const attn_buffers *t) {
+  /* 09's backward, for 09's problems. (The harness refuses --backward with GQA or cache
+   * lengths before anything runs; this line guards the library's callers.) */
+  if (attn_heads_kv(p) != p->heads || p->cache_lens)
+    attn_fail(EXIT_BAD_USAGE, "the backward takes Hkv = H and no cache lengths (it is 09's)");
+  switch (p->head_dim) {
+    case 32: launch_backward<32>(p, t); break;
+    case 64: launch_backward<64>(p, t); break;
+    case 128: launch_backward<128>(p, t); break;
+  }
+}
+
+static const attn_stage stage = {
+    .name = "11_split_kv_decode",
+    .idea = "decode: keys split across blocks, merged by LSE; grouped-query attention",
+    .device = &attn_cuda_device,
+    .head_dims = {32, 64, 128},
+    .dtypes = DTYPE_BIT(DTYPE_FP16) | DTYPE_BIT(DTYPE_BF16),
+    .has_causal = 1,
+    .saves_lse = 1,
+    .forward_workspace = forward_workspace,
+    .forward = forward,
+    .backward_workspace = backward_workspace,
+    .backward = backward,
+    .has_gqa = 1,
+    .has_cache_lens = 1,
+};
+
+int main(int argc, char **argv) { return attention_main(&stage, argc, argv); }
