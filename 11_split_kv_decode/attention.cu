@@ -554,21 +554,26 @@ __host__ __device__ constexpr int decode_rows(int d) { return row_frags(d) * Mma
  * thread), each taking 16 keys of a tile, one k-step of P V; so a tile has 64 keys, 09's Bc,
  * and a d = 128 block's K and V tiles move 32 KiB per tile, 8 copies of 16 bytes a thread. */
 constexpr int DecodeWarps = 4, DecodeThreads = DecodeWarps * 32, DecodeKeys = DecodeWarps * MmaK;
-/* The chunk rule. A decode grid should fill the GPU DecodeWaves times over (waves of the
- * blocks that fit on it at once), so that as blocks finish at different times the last of
- * them leave few SMs idle; and a chunk should be long enough that a block's fixed costs
- * (loading Q, waiting for its first tile, merging its warps, writing its partial, each about
- * a tile's worth) stay small beside the tiles it streams, so at least MinChunkKeys keys. So
+/* The chunk rule. A decode grid should fill the GPU once (one wave of the blocks that fit on
+ * it at once: more waves only add blocks, each with its fixed costs), and a chunk should be
+ * long enough that a block's fixed costs (loading Q, waiting for its first tiles, merging its
+ * warps, writing its partial) stay small beside the tiles it streams: at least MinChunkKeys
+ * keys. So
  *   chunks = min(ceil(DecodeWaves x resident blocks / (B Hkv)), floor(Lmax / MinChunkKeys)),
  *            at least 1;  chunk_keys = ceil(Lmax / chunks) rounded up to whole tiles,
- * Lmax the longest cache. On an H100 (132 SMs, 2 blocks each at d = 128) with Hkv = 8:
- * B = 1: 128 keys a chunk at L = 1k (64 blocks), 256 at 32k (1024 blocks), 1024 at 128k;
- * B = 32: 4 chunks at 1k, 5 at 128k. ATTN_DECODE_CHUNK_KEYS=N (a multiple of 64) sets
- * chunk_keys instead, for the tests and for measuring the rule. */
+ * Lmax the longest cache. Measured on an H100 (d = 128, Hkv = 8, fp16, chunk lengths forced
+ * with ATTN_DECODE_CHUNK_KEYS, ms): B = 1, L = 4k: 64 keys 0.025, 128 0.021, 256 0.019, 512
+ * 0.021; L = 32k: 256 keys 0.078, 1024 0.068, 2048 0.066, 4096 0.086; L = 128k: 1024 keys
+ * 0.208, 4096 0.199; B = 8, L = 16k: 256 keys 0.211, 4096 0.197; B = 32, L = 16k: 256 keys
+ * 0.752, 4096 0.718. Four waves with chunks of at least 128 keys (the first rule) gave 0.021,
+ * 0.079, 0.208, 0.202 and 0.729 at those five shapes. With 132 SMs holding 2 blocks each at
+ * d = 128: B = 1 gets 256 keys a chunk at L = 1k to 4k, about 1000 at 32k, 4000 at 128k;
+ * B = 32 one or two chunks. ATTN_DECODE_CHUNK_KEYS=N (a multiple of 64) sets chunk_keys
+ * instead, for the tests and for measuring the rule. */
 #ifndef ATTN_DECODE_WAVES
-#define ATTN_DECODE_WAVES 4
+#define ATTN_DECODE_WAVES 1
 #endif
-constexpr int DecodeWaves = ATTN_DECODE_WAVES, MinChunkKeys = 2 * DecodeKeys;
+constexpr int DecodeWaves = ATTN_DECODE_WAVES, MinChunkKeys = 4 * DecodeKeys;
 
 struct decode_plan {
   int chunk_keys, chunks;
