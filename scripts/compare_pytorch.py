@@ -143,7 +143,8 @@ def reference(torch, q, k, v, do, scale, causal, dtype):
     return [x.double() for x in (o, lse, dq, dk, dv)]
 
 
-HALF_STAGES = ["07_tensor_cores", "08_mma_sync", "09_swizzle_pipeline", "10_hopper_wgmma"]
+HALF_STAGES = ["07_tensor_cores", "08_mma_sync", "09_swizzle_pipeline", "10_hopper_wgmma",
+               "11_split_kv_decode"]
 
 
 def check_half_stages(torch, bin_dir):

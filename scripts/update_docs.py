@@ -132,6 +132,7 @@ def diff_table(root):
     lines = ["| from | to | command | changed lines |", "|---|---|---|---|"]
     stages = attn.STAGES
     for a, b in zip(stages, stages[1:]):
+        a = attn.PARENT.get(b, a)
         sa, sb = source_of(root, a), source_of(root, b)
         if not sa or not sb:
             continue

@@ -42,9 +42,14 @@ __all__ = ["scaled_dot_product_attention", "stages", "stage_info", "FlashStagesE
 # The order the default choice tries: the fastest stage first (docs/results), each only where
 # it supports the inputs. 11 is 09 with grouped-query attention and a decode path: it takes
 # what 09 cannot (key/value heads fewer than query heads).
-PREFERENCE = ("09_swizzle_pipeline", "11_split_kv_decode", "08_mma_sync", "07_tensor_cores",
-              "06_backward", "05_causal", "04_shared_memory", "03_cuda_forward")
-HALF_STAGES = ("07_tensor_cores", "08_mma_sync", "09_swizzle_pipeline")
+PREFERENCE = ("10_hopper_wgmma", "09_swizzle_pipeline", "11_split_kv_decode", "08_mma_sync",
+              "07_tensor_cores", "06_backward", "05_causal", "04_shared_memory",
+              "03_cuda_forward")
+HALF_STAGES = ("07_tensor_cores", "08_mma_sync", "09_swizzle_pipeline", "10_hopper_wgmma",
+               "11_split_kv_decode")
+# Stages built for one architecture only (sm_90a): the compute capability they need. The
+# program would exit on any other GPU; here the call is refused (or falls back) instead.
+_NEEDS_CAPABILITY = {"10_hopper_wgmma": (9, 0)}
 
 _TORCH_DTYPE = {_library.DTYPE_FP32: torch.float32, _library.DTYPE_FP16: torch.float16,
                 _library.DTYPE_BF16: torch.bfloat16}
@@ -100,6 +105,11 @@ def _unknown_stage(name):
 
 def _unsupported(info, q, k, v, is_causal, enable_gqa, needs_grad):
     """Why `info`'s stage cannot compute this call, or None."""
+    needs = _NEEDS_CAPABILITY.get(info.name)
+    if needs and torch.cuda.get_device_capability(q.device) != needs:
+        have = torch.cuda.get_device_capability(q.device)
+        return (f"{info.name} needs compute capability {needs[0]}.{needs[1]} (Hopper); "
+                f"this GPU is {have[0]}.{have[1]}")
     if q.dtype not in info.dtypes:
         wanted = ", ".join(str(t).replace("torch.", "") for t in info.dtypes)
         hint = (f" (half precision comes in {_COMES_IN['half']})"
