@@ -39,6 +39,7 @@ Each correctness check compares batch 0's O with float32 attention computed by P
 Without PyTorch, a CUDA device or the library: one "skipped" line, exit 0.
 """
 import argparse
+import csv
 import ctypes
 import datetime
 import importlib.util
@@ -185,6 +186,12 @@ def run_program(path, b, length, out_log):
         return float(row["ms"]), int(row["workspace_bytes"])
 
 
+def read_tsv(path):
+    """Rows of a decode.tsv as dicts (every value a string, as plot() reads them)."""
+    with open(path) as f:
+        return list(csv.DictReader(f, delimiter="\t"))
+
+
 def plot(rows, out_dir):
     plots = load_module("plots", os.path.join(HERE, "plots.py"))
     rows = [r for r in rows if r["timer"] in ("library", "sdpa") and r["chunk_keys"] == "rule"]
@@ -300,7 +307,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", help="folder of the stage programs (for --program-batches)")
-    ap.add_argument("--lib", required=True, help="folder of libattn_11_split_kv_decode.so")
+    ap.add_argument("--lib", help="folder of libattn_11_split_kv_decode.so (required but with "
+                    "--redraw)")
+    ap.add_argument("--redraw", metavar="DECODE_TSV",
+                    help="only draw the plots of committed rows (no GPU, no PyTorch) into "
+                    "OUT/plots")
     ap.add_argument("--out", required=True)
     ap.add_argument("--batches", nargs="*", type=int, default=BATCHES)
     ap.add_argument("--lengths", nargs="*", type=int, default=LENGTHS)
@@ -313,6 +324,11 @@ def main():
     ap.add_argument("--budget", type=float, default=0,
                     help="seconds after which no new shape starts (0: no limit)")
     a = ap.parse_args()
+    if a.redraw:
+        plot(read_tsv(a.redraw), os.path.join(a.out, "plots"))
+        return
+    if not a.lib:
+        ap.error("--lib is required")
 
     try:
         import torch
