@@ -10,8 +10,8 @@
 #   PHASES="pytorch sweep" SWEEP="07_tensor_cores 08_mma_sync" scripts/gpu_round.sh OUT_DIR
 #   PHASES="build" scripts/gpu_round.sh OUT_DIR  # then, elsewhere: PHASES="tests" ...
 #
-# PHASES: any of build, tests, sanitizer, sweep, pytorch, variants, python (default: the
-# first five, in that order);
+# PHASES: any of build, tests, sanitizer, sweep, pytorch, variants, python, decode (default:
+# the first five, in that order);
 # build always runs first, the others in the order given.
 # Without build, build-gpu must already hold a build of this tree: one made by this script
 # with the same CUDA toolkit at the same path (CMake and CTest record absolute paths), for
@@ -34,6 +34,9 @@
 # comparison leaves OUT_DIR/rows/training.tsv, then python/bench.py (PyTorch's timing of the
 # stages beside SDPA and the stage programs' own) into OUT_DIR/rows/pytorch_bench.tsv;
 # PYBENCH: extra bench.py arguments.
+# decode: stage 11's decode benchmark (scripts/decode_bench.py: the stage through its library
+# beside SDPA with enable_gqa, against the copy bandwidth), rows in OUT_DIR/rows/decode.tsv;
+# DECODE_BUDGET: its seconds (default 240); needs the build configured with ATTN_PYTHON on.
 # PACK=1: at the end every file of OUT_DIR but summary.txt goes into OUT_DIR/results.tgz,
 # for a transport that brings back only a few files.
 # OUT_DIR gets summary.txt, the ctest logs, build.log, sweep.log, pytorch.log and rows/gpu.tsv
@@ -102,6 +105,12 @@ python_package() {
     > "$out/python_bench.log" 2>&1
   log "python bench: exit $?, $(grep -c . "$results/pytorch_bench.tsv" 2>/dev/null) rows"
 }
+decode() {
+  python3 scripts/decode_bench.py --bin build-gpu/bin --lib build-gpu/lib --out "$out/decode" \
+    --budget "${DECODE_BUDGET:-240}" > "$out/decode.log" 2>&1
+  log "decode: exit $?; $(grep -E '^B = 1|^At least' "$out/decode.log" | tr '\n' ' ')"
+  cp "$out/decode/rows/decode.tsv" "$results/decode.tsv" 2>/dev/null
+}
 variants() {
   local words
   read -r -a words <<< "${VARIANTS:-}"
@@ -125,7 +134,8 @@ for phase in $phases; do
     pytorch) pytorch ;;
     variants) variants ;;
     python) python_package ;;
-    *) log "unknown phase '$phase' (build, tests, sanitizer, sweep, pytorch, variants, python)" ;;
+    decode) decode ;;
+    *) log "unknown phase '$phase' (build, tests, sanitizer, sweep, pytorch, variants, python, decode)" ;;
   esac
 done
 log "done"
