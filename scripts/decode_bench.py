@@ -39,7 +39,6 @@ Each correctness check compares batch 0's O with float32 attention computed by P
 Without PyTorch, a CUDA device or the library: one "skipped" line, exit 0.
 """
 import argparse
-import csv
 import ctypes
 import datetime
 import importlib.util
@@ -186,12 +185,6 @@ def run_program(path, b, length, out_log):
         return float(row["ms"]), int(row["workspace_bytes"])
 
 
-def read_tsv(path):
-    """Rows of a decode.tsv as dicts (every value a string, as plot() reads them)."""
-    with open(path) as f:
-        return list(csv.DictReader(f, delimiter="\t"))
-
-
 def plot(rows, out_dir):
     plots = load_module("plots", os.path.join(HERE, "plots.py"))
     rows = [r for r in rows if r["timer"] in ("library", "sdpa") and r["chunk_keys"] == "rule"]
@@ -325,7 +318,7 @@ def main():
                     help="seconds after which no new shape starts (0: no limit)")
     a = ap.parse_args()
     if a.redraw:
-        plot(read_tsv(a.redraw), os.path.join(a.out, "plots"))
+        plot(attn.read_rows(a.redraw), os.path.join(a.out, "plots"))
         return
     if not a.lib:
         ap.error("--lib is required")
