@@ -12,16 +12,7 @@
 #include "attention.cu"
 #undef main
 
-static int failures = 0;
-
-#define EXPECT(cond, ...)                    \
-  do {                                       \
-    if (!(cond)) {                           \
-      failures++;                            \
-      fprintf(stderr, "FAIL: " __VA_ARGS__); \
-      fputc('\n', stderr);                   \
-    }                                        \
-  } while (0)
+#include "expect.h"
 
 /* B sequences, the first holding `len` keys and the others half as many (ragged). */
 static decode_plan plan_for(int batch, int heads_kv, int len, long resident, int *lens) {

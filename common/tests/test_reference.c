@@ -8,18 +8,8 @@
 #include <stdlib.h>
 
 #include "attention.h"
+#include "expect.h"
 #include "reference.h"
-
-static int failures = 0;
-
-#define EXPECT(cond, ...)                    \
-  do {                                       \
-    if (!(cond)) {                           \
-      failures++;                            \
-      fprintf(stderr, "FAIL: " __VA_ARGS__); \
-      fputc('\n', stderr);                   \
-    }                                        \
-  } while (0)
 
 typedef struct {
   attn_problem p;
