@@ -554,38 +554,57 @@ __host__ __device__ constexpr int decode_rows(int d) { return row_frags(d) * Mma
  * thread), each taking 16 keys of a tile, one k-step of P V; so a tile has 64 keys, 09's Bc,
  * and a d = 128 block's K and V tiles move 32 KiB per tile, 8 copies of 16 bytes a thread. */
 constexpr int DecodeWarps = 4, DecodeThreads = DecodeWarps * 32, DecodeKeys = DecodeWarps * MmaK;
-/* The chunk rule. A decode grid should fill the GPU once (one wave of the blocks that fit on
- * it at once: more waves only add blocks, each with its fixed costs), and a chunk should be
- * long enough that a block's fixed costs (loading Q, waiting for its first tiles, merging its
+/* Stages of the decode block's ring of K and V tiles: 2, as 09. A decode block has no
+ * arithmetic to hide its loads behind, only more loads, so a deeper ring looked promising;
+ * measured on an H100 (d = 128, the 24 shapes of the decode benchmark, one block an SM), 3
+ * stages ran from 0.4% faster to 2% slower, 4 stages up to 3% slower: two tiles of K and V in
+ * flight already keep an SM's share of the bandwidth busy. -DATTN_DECODE_STAGES=3 or 4 for
+ * the alternatives, which fall back to 2 where their ring does not fit the shared memory. */
+#ifndef ATTN_DECODE_STAGES
+#define ATTN_DECODE_STAGES 2
+#endif
+constexpr int DecodeStages = ATTN_DECODE_STAGES;
+static_assert(DecodeStages >= 2, "a ring of at least two tiles");
+/* A decode block's shared memory: its ring of K and V tiles and its query rows. */
+template <typename T>
+__host__ __device__ constexpr size_t decode_bytes(int d, int stages) {
+  return sizeof(T) * (2 * (size_t)stages * DecodeKeys + decode_rows(d)) * padded<T>(d);
+}
+/* The chunk rule. A decode grid should give every SM one block (a block streams as fast as
+ * an SM pulls bytes: a second one an SM adds no bandwidth, only blocks with fixed costs and
+ * partials to merge), in whole waves (a partial wave is a tail), and a chunk should be long
+ * enough that a block's fixed costs (loading Q, waiting for its first tiles, merging its
  * warps, writing its partial) stay small beside the tiles it streams: at least MinChunkKeys
  * keys. So
- *   chunks = min(ceil(DecodeWaves x resident blocks / (B Hkv)), floor(Lmax / MinChunkKeys)),
+ *   chunks = min(floor(DecodeBlocksPerSm x SMs / (B Hkv)), floor(Lmax / MinChunkKeys)),
  *            at least 1;  chunk_keys = ceil(Lmax / chunks) rounded up to whole tiles,
  * Lmax the longest cache. Measured on an H100 (d = 128, Hkv = 8, fp16, chunk lengths forced
- * with ATTN_DECODE_CHUNK_KEYS, ms): B = 1, L = 4k: 64 keys 0.025, 128 0.021, 256 0.019, 512
- * 0.021; L = 32k: 256 keys 0.078, 1024 0.068, 2048 0.066, 4096 0.086; L = 128k: 1024 keys
- * 0.208, 4096 0.199; B = 8, L = 16k: 256 keys 0.211, 4096 0.197; B = 32, L = 16k: 256 keys
- * 0.752, 4096 0.718. Four waves with chunks of at least 128 keys (the first rule) gave 0.021,
- * 0.079, 0.208, 0.202 and 0.729 at those five shapes. With 132 SMs holding 2 blocks each at
- * d = 128: B = 1 gets 256 keys a chunk at L = 1k to 4k, about 1000 at 32k, 4000 at 128k;
- * B = 32 one or two chunks. ATTN_DECODE_CHUNK_KEYS=N (a multiple of 64) sets chunk_keys
- * instead, for the tests and for measuring the rule. */
-#ifndef ATTN_DECODE_WAVES
-#define ATTN_DECODE_WAVES 1
+ * with ATTN_DECODE_CHUNK_KEYS, ms; the rule's pick marked *): B = 1, L = 1k: 64 keys 0.0121,
+ * 128* 0.0114, 256 0.0128; L = 4k: 128 0.0183, 256* 0.0174, 512 0.0199; L = 8k: 256 0.0256,
+ * 512* 0.0253, 1024 0.0304; L = 32k: 1024 0.0642, 2048* 0.0632, 4096 0.0867; B = 8, L = 2k:
+ * 512 0.0412, 1024* 0.0393, 2048 0.0471. Two blocks an SM (the 2 x 132 an H100 holds at
+ * d = 128; -DATTN_DECODE_BLOCKS_PER_SM=2) picked 256, 256, 256, 1024 and 512 keys there;
+ * four waves of them with chunks of at least 128 keys (the first rule) was up to 20% slower.
+ * On an H100: B = 1 gets 128 keys a chunk at L = 1k, 2048 at 32k, 8192 at 128k (16 chunks);
+ * B = 8 two chunks; B = 32 one, whose blocks write O and LSE themselves.
+ * ATTN_DECODE_CHUNK_KEYS=N (a multiple of 64) sets chunk_keys instead, for the tests and for
+ * measuring the rule. */
+#ifndef ATTN_DECODE_BLOCKS_PER_SM
+#define ATTN_DECODE_BLOCKS_PER_SM 1
 #endif
-constexpr int DecodeWaves = ATTN_DECODE_WAVES, MinChunkKeys = 4 * DecodeKeys;
+constexpr int DecodeBlocksPerSm = ATTN_DECODE_BLOCKS_PER_SM, MinChunkKeys = 2 * DecodeKeys;
 
 struct decode_plan {
   int chunk_keys, chunks;
 };
 
-/* The chunk rule above; `resident`: blocks of the decode kernel the GPU holds at once. Plain
- * host arithmetic, so that the workspace and the launch agree and a test can call it. */
-static decode_plan plan_chunks(const attn_problem *p, long resident) {
+/* The chunk rule above on a GPU of `sms` SMs. Plain host arithmetic, so that the workspace
+ * and the launch agree and a test can call it. */
+static decode_plan plan_chunks(const attn_problem *p, long sms) {
   int lmax = 0;
   for (int b = 0; b < p->batch; b++) lmax = max(lmax, attn_cache_len(p, b));
   long pairs = (long)p->batch * attn_heads_kv(p);
-  long chunks = (DecodeWaves * resident + pairs - 1) / pairs;
+  long chunks = DecodeBlocksPerSm * sms / pairs; /* whole waves: a partial one is a tail */
   chunks = max(1L, min(chunks, (long)(lmax / MinChunkKeys)));
   long keys = (lmax + chunks - 1) / chunks;
   keys = max((long)DecodeKeys, (keys + DecodeKeys - 1) / DecodeKeys * DecodeKeys);
@@ -611,16 +630,16 @@ static decode_plan plan_chunks(const attn_problem *p, long resident) {
 __host__ __device__ constexpr size_t merge_bytes(int d) {
   return sizeof(float) * DecodeWarps * decode_rows(d) * (d + 2);
 }
-static_assert(merge_bytes(32) <= tile_bytes<__half>(32, DecodeKeys, decode_rows(32)) &&
-                  merge_bytes(64) <= tile_bytes<__half>(64, DecodeKeys, decode_rows(64)) &&
-                  merge_bytes(128) <= tile_bytes<__half>(128, DecodeKeys, decode_rows(128)),
+static_assert(merge_bytes(32) <= decode_bytes<__half>(32, 2) &&
+                  merge_bytes(64) <= decode_bytes<__half>(64, 2) &&
+                  merge_bytes(128) <= decode_bytes<__half>(128, 2),
               "the warps' merge fits in the shared memory of the tiles it replaces");
-static_assert(tile_bytes<__half>(128, DecodeKeys, decode_rows(128)) <= 99 * 1024,
-              "a decode block fits the 99 KiB of sm_86 and sm_89 (72 KiB at d = 128)");
-template <int D>
+static_assert(decode_bytes<__half>(128, 2) <= 99 * 1024,
+              "a decode block fits the 99 KiB of sm_86 and sm_89 (72 KiB at d = 128, 2 stages)");
+template <int D, typename T>
 __device__ void merge_warps(const float (*acc)[D / MmaN][4], const float *m, float *l,
-                            float scale_log2, float *work, float *part_o, float *part_lse,
-                            int rows) {
+                            float scale_log2, float *work, float *part_o, float *part_lse, T *o,
+                            float *lse, int rows) {
   constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags, Rows = decode_rows(D);
   float *o_s = work, *m_s = o_s + DecodeWarps * Rows * D, *l_s = m_s + DecodeWarps * Rows;
   int w = threadIdx.x / 32, g = threadIdx.x % 32 / Quad, t = threadIdx.x % Quad;
@@ -650,30 +669,55 @@ __device__ void merge_warps(const float (*acc)[D / MmaN][4], const float *m, flo
       sum += f * l_s[x * Rows + r];
       out.x += f * o_w.x, out.y += f * o_w.y, out.z += f * o_w.z, out.w += f * o_w.w;
     }
-    float inv = sum > 0.f ? 1.f / sum : 0.f;
-    *reinterpret_cast<float4 *>(part_o + e) =
-        make_float4(out.x * inv, out.y * inv, out.z * inv, out.w * inv);
-    if (e % D == 0) part_lse[r] = sum > 0.f ? mx * scale_log2 + log2f(sum) : -INFINITY;
+    float inv = sum > 0.f ? 1.f / sum : 0.f, row_lse = mx * scale_log2 + log2f(sum);
+    out = make_float4(out.x * inv, out.y * inv, out.z * inv, out.w * inv);
+    if (o) { /* the only chunk: the partial is the output */
+      *reinterpret_cast<uint2 *>(o + e) =
+          make_uint2(pack2(out.x, out.y, T()), pack2(out.z, out.w, T()));
+      if (e % D == 0) lse[r] = sum > 0.f ? row_lse * Ln2 : -INFINITY;
+    } else {
+      *reinterpret_cast<float4 *>(part_o + e) = out;
+      if (e % D == 0) part_lse[r] = sum > 0.f ? row_lse : -INFINITY;
+    }
   }
 }
 
+/* Programmatic dependent launch (compute capability 9.0 on): the merge grid may be launched
+ * while the decode grid runs, once every decode block has allowed it; its blocks then wait
+ * until the decode grid has finished and its writes are visible. The merge's launch and its
+ * first instructions overlap the decode instead of following it. Elsewhere both are no-ops
+ * and the merge follows the decode as any kernel of the stream does. */
+__device__ void allow_merge_launch() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+__device__ void wait_for_decode() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 /* One block: chunk `blockIdx.x % chunks` of K/V head pair = blockIdx.x / chunks (b Hkv + K/V
- * head), so a head's chunks are adjacent. 09's forward loop, K and V double-buffered and
- * waited for separately; warp w computes the tile's keys [16 w, 16 w + 16) for all rows. */
-template <int D, typename T>
+ * head), so a head's chunks are adjacent. 09's forward loop, K and V in a ring of STAGES
+ * tiles and waited for separately; warp w computes the tile's keys [16 w, 16 w + 16) for all
+ * rows. */
+template <int D, int STAGES, typename T>
 __global__ void __launch_bounds__(DecodeThreads, 2)
     flash_decode_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                         const int *__restrict__ cache_lens, float *__restrict__ part_o,
-                        float *__restrict__ part_lse, int nq, int nkv, int heads_kv, int group,
-                        int chunk_keys, int chunks, float scale, int causal) {
+                        float *__restrict__ part_lse, T *__restrict__ o, float *__restrict__ lse,
+                        int nq, int nkv, int heads_kv, int group, int chunk_keys, int chunks,
+                        float scale, int causal) {
   constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags, Rows = decode_rows(D);
   constexpr int BC = DecodeKeys, ld = padded<T>(D);
   extern __shared__ __align__(256) float4 smem[];
-  T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + 2 * BC * ld, *Qs = Vs + 2 * BC * ld;
+  T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + STAGES * BC * ld, *Qs = Vs + STAGES * BC * ld;
+  allow_merge_launch(); /* the merge waits for the whole grid anyway: let it launch now */
   long pair = blockIdx.x / chunks;
   int len = cache_lens ? cache_lens[pair / heads_kv] : nkv;
   int j_begin = (int)(blockIdx.x % chunks) * chunk_keys, j_end = min(len, j_begin + chunk_keys);
-  if (j_begin >= len) return; /* past this sequence's cache: the merge reads nothing of it */
+  if (j_begin >= len && chunks > 1) return; /* past the cache: the merge reads nothing of it */
   int rows = group * nq, w = threadIdx.x / 32, g = threadIdx.x % 32 / Quad;
   const T *K = k + pair * nkv * D, *V = v + pair * nkv * D;
   float acc[RowFrags][D / MmaN][4] = {}, s[RowFrags][MmaK / MmaN][4];
@@ -698,19 +742,30 @@ __global__ void __launch_bounds__(DecodeThreads, 2)
       x = T(scale < 0.f ? -float(x) : 0.f);
     }
   } /* (the first barrier of the loop orders these writes before the loads of Q) */
-  load_tile<D, BC, DecodeThreads>(K + (long)j_begin * D, min(BC, j_end - j_begin), Ks);
-  __pipeline_commit();
-  load_tile<D, BC, DecodeThreads>(V + (long)j_begin * D, min(BC, j_end - j_begin), Vs);
-  __pipeline_commit();
-  for (int j0 = j_begin, buf = 0; j0 < j_end; j0 += BC, buf ^= 1) {
-    int cols = min(BC, j_end - j0), next = j0 + BC;
-    T *Kn = Ks + (buf ^ 1) * BC * ld, *Vn = Vs + (buf ^ 1) * BC * ld;
+  /* Tiles 0 .. STAGES - 2 in flight before the loop, K and V each a group of its own; an
+   * empty group past the chunk's end keeps the count of groups that the waits rely on. */
+  for (int s = 0; s < STAGES - 1; s++) {
+    int j = j_begin + s * BC;
+    if (j < j_end)
+      load_tile<D, BC, DecodeThreads>(K + (long)j * D, min(BC, j_end - j), Ks + s * BC * ld);
+    __pipeline_commit();
+    if (j < j_end)
+      load_tile<D, BC, DecodeThreads>(V + (long)j * D, min(BC, j_end - j), Vs + s * BC * ld);
+    __pipeline_commit();
+  }
+  /* Groups committed after K(t) when it is waited for: V(t), K and V of the STAGES - 2 tiles
+   * after it, and K(t + STAGES - 1); after V(t): K and V of the STAGES - 1 tiles after it. */
+  constexpr int InFlight = 2 * STAGES - 2;
+  for (int j0 = j_begin, buf = 0; j0 < j_end; j0 += BC, buf = (buf + 1) % STAGES) {
+    int cols = min(BC, j_end - j0), next = j0 + (STAGES - 1) * BC;
+    int nbuf = (buf + STAGES - 1) % STAGES; /* the buffer of tile t - 1, done with */
+    T *Kn = Ks + nbuf * BC * ld, *Vn = Vs + nbuf * BC * ld;
     if (next < j_end)
       load_tile<D, BC, DecodeThreads>(K + (long)next * D, min(BC, j_end - next), Kn);
     __pipeline_commit();
-    __pipeline_wait_prior(2); /* K(t) has landed; V(t) and K(t + 1) may still be in flight */
+    __pipeline_wait_prior(InFlight); /* K(t) has landed; V(t) and later tiles may be in flight */
     __syncthreads(); /* RAW: K(t) (the first time, Q too) is in shared memory; WAR: every warp is
-                      * done with P V(t - 1), so V(t + 1) may overwrite its buffer */
+                      * done with P V(t - 1), so V(t + STAGES - 1) may overwrite its buffer */
     /* The warp's keys start at jw; row h sees row_cols[h] of its 16 (the chunk ends, the cache
      * ends, or the causal limit falls inside them: masked). */
     int jw = j0 + w * MmaK, row_cols[LaneRows];
@@ -729,44 +784,53 @@ __global__ void __launch_bounds__(DecodeThreads, 2)
     if (next < j_end)
       load_tile<D, BC, DecodeThreads>(V + (long)next * D, min(BC, j_end - next), Vn);
     __pipeline_commit();
-    __pipeline_wait_prior(2); /* V(t) has landed; K(t + 1) and V(t + 1) may still be in flight */
-    __syncthreads();          /* RAW: V(t) is in shared memory; WAR: every warp is done with
-                               * S = Q K(t)^T, so K(t + 2) may overwrite its buffer */
+    __pipeline_wait_prior(InFlight); /* V(t) has landed; later tiles may still be in flight */
+    __syncthreads();                 /* RAW: V(t) is in shared memory; WAR: every warp is done with
+                                      * S = Q K(t)^T, so K(t + STAGES) may overwrite its buffer */
     compute_block_softmax_and_weighted_v<D, MmaK>(s, Vt, scale_log2, m, l, acc);
   }
   __pipeline_wait_prior(0); /* nothing is left in flight: the tiles' memory is reused below */
   __syncthreads();          /* WAR: every warp is done with the last K and V tiles (and Q) */
+  /* One chunk a sequence: the block's rows are the output's rows (b H + h) Nq + i, from
+   * (b Hkv + K/V head) G Nq on, and no merge follows. */
+  long first = (long)blockIdx.x * rows;
   merge_warps<D>(acc, m, l, scale_log2, reinterpret_cast<float *>(smem),
-                 part_o + (long)blockIdx.x * rows * D, part_lse + (long)blockIdx.x * rows, rows);
+                 chunks > 1 ? part_o + first * D : nullptr, chunks > 1 ? part_lse + first : nullptr,
+                 chunks > 1 ? nullptr : o + first * D, lse + first, rows);
 }
 
 /* Threads of a merge block, one block per output row: D / 4 groups of 4 columns (16 bytes of
  * each chunk's fp32 O), times MergeThreads / (D / 4) ways of splitting the chunks among them,
  * so that a row's chunks are read by all 128 threads at once. */
 constexpr int MergeThreads = 128;
+/* Chunks a merge thread loads before it merges them, all in flight at once: on an H100 a row
+ * of the decode benchmark has at most 16 chunks, 4 for each of the 4 ways at d = 128, so one
+ * batch (and 8 keeps the loads of a GPU with twice the SMs in one). */
+constexpr int MergeBatch = 8;
 
-/* The largest (is_max) or the sum of one value a thread of a MergeThreads block, returned to
- * every thread. A fixed tree: the sum rounds the same way run after run. */
-__device__ float block_reduce(float x, bool is_max, float *red) {
-  for (int lanes = 16; lanes > 0; lanes /= 2) {
-    float y = __shfl_xor_sync(0xffffffffu, x, lanes);
-    x = is_max ? fmaxf(x, y) : x + y;
-  }
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = x;
-  __syncthreads(); /* RAW: every warp's share is in shared memory */
-  x = red[0];
-  for (int w = 1; w < MergeThreads / 32; w++) x = is_max ? fmaxf(x, red[w]) : x + red[w];
-  __syncthreads(); /* WAR: every thread has read `red` before the next reduction writes it */
-  return x;
+/* A running merge of partials (stage 02's rule), in log2 units: m, the largest lse_c seen;
+ * s = sum_c 2^(lse_c - m); a = sum_c 2^(lse_c - m) O_c (4 columns). The merge is a / s and its
+ * LSE m + log2 s. */
+struct merge_state {
+  float m, s;
+  float4 a;
+};
+__device__ void merge_into(merge_state &x, float m, float s, float4 a) {
+  float top = fmaxf(x.m, m), base = top == -INFINITY ? 0.f : top; /* -inf: neither saw a key */
+  float f = exp2_approx(x.m - base), g = exp2_approx(m - base);
+  x.m = top, x.s = x.s * f + s * g;
+  x.a = make_float4(x.a.x * f + a.x * g, x.a.y * f + a.y * g, x.a.z * f + a.z * g,
+                    x.a.w * f + a.w * g);
 }
 
 /* Row (b H + h) Nq + i of the output from its chunks' partials (O_c normalised, lse_c in log2
- * units), stage 02's merge over all of them at once:
+ * units), stage 02's merge:
  *   LSE = log2 sum_c 2^lse_c,   O = sum_c 2^(lse_c - LSE) O_c,
  * each chunk weighted by its share of the row's whole exp-sum. Only the ceil(L_b / chunk_keys)
- * chunks that hold keys of the sequence were written. A thread adds the chunks c = way, way +
- * Ways, ... of its 4 columns; the Ways sums are then added in order of way. A fixed order:
- * every run gives the same bits. */
+ * chunks that hold keys of the sequence were written. A thread merges the chunks c = way,
+ * way + Ways, ... of its 4 columns as they arrive, MergeBatch loads in flight at once (a
+ * first pass for the max would wait for L2 once more); the Ways merges are then merged in
+ * order of way. A fixed order: every run gives the same bits. */
 template <int D, typename T>
 __global__ void __launch_bounds__(MergeThreads)
     merge_chunks_kernel(const float *__restrict__ part_o, const float *__restrict__ part_lse,
@@ -775,81 +839,104 @@ __global__ void __launch_bounds__(MergeThreads)
                         int chunk_keys, int chunks) {
   constexpr int Groups = D / 4, Ways = MergeThreads / Groups;
   static_assert(MergeThreads % Groups == 0, "every thread has a group of columns");
-  __shared__ float red[MergeThreads / 32];
-  __shared__ float4 sums[MergeThreads];
+  __shared__ merge_state merged[MergeThreads];
   long row = blockIdx.x, bh = row / nq;
   int rows = group * nq, r = (int)(bh % group) * nq + (int)(row % nq);
   int len = cache_lens ? cache_lens[bh / heads] : nkv, n = (len + chunk_keys - 1) / chunk_keys;
   /* The partial of chunk c is that of decode block (bh / G) chunks + c: rows apart. */
   const float *lse_c = part_lse + bh / group * chunks * rows + r;
   const float *o_c = part_o + (bh / group * chunks * rows + r) * D;
-  float mx = -INFINITY, sum = 0.f;
-  for (int c = threadIdx.x; c < n; c += MergeThreads) mx = fmaxf(mx, lse_c[(long)c * rows]);
-  mx = block_reduce(mx, true, red);
-  for (int c = threadIdx.x; mx != -INFINITY && c < n; c += MergeThreads)
-    sum += exp2_approx(lse_c[(long)c * rows] - mx);
-  sum = block_reduce(sum, false, red);
-  float total = mx == -INFINITY ? -INFINITY : mx + log2f(sum); /* -inf: the row saw no key */
   int group4 = threadIdx.x % Groups, way = threadIdx.x / Groups;
-  float4 a = {0.f, 0.f, 0.f, 0.f};
-  /* The chunks' loads are independent: several in flight at once hide L2's latency, which
-   * alone would make 128 chunks a few microseconds. */
-#pragma unroll 4
-  for (int c = way; total != -INFINITY && c < n; c += Ways) {
-    float weight = exp2_approx(lse_c[(long)c * rows] - total);
-    float4 x = reinterpret_cast<const float4 *>(o_c + (long)c * rows * D)[group4];
-    a.x += weight * x.x, a.y += weight * x.y, a.z += weight * x.z, a.w += weight * x.w;
+  merge_state x = {-INFINITY, 0.f, make_float4(0.f, 0.f, 0.f, 0.f)};
+  wait_for_decode();
+  for (int c0 = way; c0 < n; c0 += MergeBatch * Ways) {
+    float lse_b[MergeBatch];
+    float4 o_b[MergeBatch];
+#pragma unroll
+    for (int u = 0; u < MergeBatch; u++) { /* unpredicated loads, which issue together: */
+      long c = min(c0 + u * Ways, n - 1);  /* past the last chunk, the last, weighted 0 */
+      lse_b[u] = c0 + u * Ways < n ? lse_c[c * rows] : -INFINITY;
+      o_b[u] = reinterpret_cast<const float4 *>(o_c + c * rows * D)[group4];
+    }
+#pragma unroll
+    for (int u = 0; u < MergeBatch; u++) merge_into(x, lse_b[u], 1.f, o_b[u]);
   }
-  sums[threadIdx.x] = a;
-  __syncthreads(); /* RAW: every way's sums are in shared memory */
+  merged[threadIdx.x] = x;
+  __syncthreads(); /* RAW: every way's merge is in shared memory */
   if (way != 0) return;
-  for (int x = 1; x < Ways; x++) {
-    float4 b = sums[x * Groups + group4];
-    a.x += b.x, a.y += b.y, a.z += b.z, a.w += b.w;
+  for (int w = 1; w < Ways; w++) {
+    const merge_state &y = merged[w * Groups + group4];
+    merge_into(x, y.m, y.s, y.a);
   }
+  float inv = x.s > 0.f ? 1.f / x.s : 0.f; /* s = 0: the row saw no key, O = 0 */
   *reinterpret_cast<uint2 *>(o + row * D + group4 * 4) =
-      make_uint2(pack2(a.x, a.y, T()), pack2(a.z, a.w, T()));
-  if (threadIdx.x == 0) lse[row] = total * Ln2;
+      make_uint2(pack2(x.a.x * inv, x.a.y * inv, T()), pack2(x.a.z * inv, x.a.w * inv, T()));
+  if (threadIdx.x == 0) lse[row] = x.s > 0.f ? (x.m + log2f(x.s)) * Ln2 : -INFINITY;
 }
 
-/* The chunk plan on this GPU: the decode blocks one SM holds (by their registers and shared
- * memory) times the SMs. */
+/* The decode kernel this GPU runs: DecodeStages of K and V where they fit the shared memory,
+ * else 2. */
 template <int D, typename T>
+static bool decode_deep() {
+  return DecodeStages > 2 && decode_bytes<T>(D, DecodeStages) <= attn_shared_memory_limit();
+}
+
+/* The chunk plan on this GPU, after checking that the decode block fits its shared memory. */
+template <int D, int STAGES, typename T>
 static decode_plan plan_decode(const attn_problem *p) {
-  size_t bytes = tile_bytes<T>(D, DecodeKeys, decode_rows(D));
-  attn_require_shared_memory((const void *)flash_decode_kernel<D, T>, bytes, "flash_decode_kernel");
-  int device, sms, per_sm;
+  attn_require_shared_memory((const void *)flash_decode_kernel<D, STAGES, T>,
+                             decode_bytes<T>(D, STAGES), "flash_decode_kernel");
+  int device, sms;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, flash_decode_kernel<D, T>,
-                                                           DecodeThreads, bytes));
-  return plan_chunks(p, (long)sms * max(per_sm, 1));
+  return plan_chunks(p, sms);
+}
+template <int D, typename T>
+static decode_plan plan_decode(const attn_problem *p) {
+  return decode_deep<D, T>() ? plan_decode<D, DecodeStages, T>(p) : plan_decode<D, 2, T>(p);
 }
 
-/* The decode path's workspace: each chunk's partial O (G Nq rows of d floats) and LSE. */
+/* The decode path's workspace: each chunk's partial O (G Nq rows of d floats) and LSE; none
+ * with one chunk a sequence. */
 static size_t decode_workspace(const attn_problem *p, decode_plan plan) {
+  if (plan.chunks == 1) return 0; /* the decode kernel writes O itself */
   return sizeof(float) * (size_t)p->batch * attn_heads_kv(p) * plan.chunks * attn_group(p) *
          p->seq_q * (p->head_dim + 1);
 }
 
-template <int D, typename T>
+template <int D, int STAGES, typename T>
 static void launch_decode(const attn_problem *p, const attn_buffers *t) {
-  decode_plan plan = plan_decode<D, T>(p);
+  decode_plan plan = plan_decode<D, STAGES, T>(p);
   long pairs = (long)p->batch * attn_heads_kv(p), blocks = pairs * plan.chunks;
   int rows = attn_group(p) * p->seq_q;
   if (blocks > INT_MAX || (long)attn_lse_elems(p) > INT_MAX)
     attn_fail(EXIT_BAD_USAGE, "too many (sequence, K/V head, chunk) blocks for one grid: %ld",
               blocks);
   float *part_o = (float *)t->workspace, *part_lse = part_o + (size_t)blocks * rows * D;
-  size_t bytes = tile_bytes<T>(D, DecodeKeys, decode_rows(D));
-  flash_decode_kernel<D><<<(unsigned)blocks, DecodeThreads, bytes, attn_stream()>>>(
-      (const T *)t->q, (const T *)t->k, (const T *)t->v, t->cache_lens, part_o, part_lse, p->seq_q,
-      p->seq_kv, attn_heads_kv(p), attn_group(p), plan.chunk_keys, plan.chunks, p->scale,
-      p->causal);
+  flash_decode_kernel<D, STAGES>
+      <<<(unsigned)blocks, DecodeThreads, decode_bytes<T>(D, STAGES), attn_stream()>>>(
+          (const T *)t->q, (const T *)t->k, (const T *)t->v, t->cache_lens, part_o, part_lse,
+          (T *)t->o, t->lse, p->seq_q, p->seq_kv, attn_heads_kv(p), attn_group(p), plan.chunk_keys,
+          plan.chunks, p->scale, p->causal);
   CHECK_LAUNCH("flash_decode_kernel");
-  merge_chunks_kernel<D><<<(unsigned)attn_lse_elems(p), MergeThreads, 0, attn_stream()>>>(
-      part_o, part_lse, t->cache_lens, (T *)t->o, t->lse, p->seq_q, p->seq_kv, p->heads,
-      attn_group(p), plan.chunk_keys, plan.chunks);
+  if (plan.chunks == 1) return; /* nothing to merge */
+  /* The merge as a programmatic dependent launch where the GPU has it (see wait_for_decode). */
+  int device, major;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  cudaLaunchAttribute early = {};
+  early.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  early.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((unsigned)attn_lse_elems(p));
+  config.blockDim = dim3(MergeThreads);
+  config.stream = attn_stream();
+  config.attrs = &early;
+  config.numAttrs = major >= 9 ? 1 : 0;
+  CUDA_CHECK(cudaLaunchKernelEx(&config, merge_chunks_kernel<D, T>, (const float *)part_o,
+                                (const float *)part_lse, (const int *)t->cache_lens, (T *)t->o,
+                                t->lse, p->seq_q, p->seq_kv, p->heads, attn_group(p),
+                                plan.chunk_keys, plan.chunks));
   CHECK_LAUNCH("merge_chunks_kernel");
 }
 
@@ -863,7 +950,9 @@ template <int D, typename T = __half>
 static void launch(const attn_problem *p, const attn_buffers *t) {
   if (p->dtype == DTYPE_BF16 && !std::is_same_v<T, __nv_bfloat16>)
     return launch<D, __nv_bfloat16>(p, t);
-  if (decode_shaped(p, D)) return launch_decode<D, T>(p, t);
+  if (decode_shaped(p, D))
+    return decode_deep<D, T>() ? launch_decode<D, DecodeStages, T>(p, t)
+                               : launch_decode<D, 2, T>(p, t);
   if (tile_bytes<T>(D, Bc, Br) <= attn_shared_memory_limit())
     launch_forward<D, Bc, T>(p, t);
   else

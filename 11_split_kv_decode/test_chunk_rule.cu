@@ -1,9 +1,9 @@
 /* The decode path's chunk rule (plan_chunks in attention.cu, compiled here unchanged) on the
  * CPU, over many shapes and GPU sizes: the chunks cover every sequence's keys in whole tiles,
  * the longest sequence has no empty chunk, a chunk holds at least MinChunkKeys keys where
- * the cache has them, the grid asks for about DecodeWaves waves of blocks where the keys
+ * the cache has them, the grid asks for about DecodeBlocksPerSm blocks an SM where the keys
  * allow and never many more, and ATTN_DECODE_CHUNK_KEYS sets the chunk length. Then the plans
- * of the decode benchmark's shapes on an H100 (132 SMs, 2 blocks each at d = 128), printed.
+ * of the decode benchmark's shapes on an H100 (132 SMs), printed.
  * Exit 0 when all hold. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,28 +15,28 @@
 #include "expect.h"
 
 /* B sequences, the first holding `len` keys and the others half as many (ragged). */
-static decode_plan plan_for(int batch, int heads_kv, int len, long resident, int *lens) {
+static decode_plan plan_for(int batch, int heads_kv, int len, long sms, int *lens) {
   for (int b = 0; b < batch; b++) lens[b] = b == 0 ? len : len / 2;
   attn_problem p = {batch, 4 * heads_kv, 1,          len > 0 ? len : 1, 128,
                     0,     1.f,          DTYPE_FP16, heads_kv,          lens};
-  return plan_chunks(&p, resident);
+  return plan_chunks(&p, sms);
 }
 
 int main(void) {
   const int batches[] = {1, 3, 8, 32, 64}, heads_kv[] = {1, 8, 32};
   const int lens[] = {0,    1,    63,   64,    65,     127,    128,    129,
                       1000, 1024, 4096, 32768, 100000, 131072, 1 << 24};
-  const long residents[] = {1, 7, 216, 264, 528, 1056, 2112};
+  const long sm_counts[] = {1, 7, 46, 108, 132, 144, 1056};
   static int cache_lens[64];
   int cases = 0;
   unsetenv("ATTN_DECODE_CHUNK_KEYS");
   for (int batch : batches)
     for (int hkv : heads_kv)
       for (int len : lens)
-        for (long resident : residents) {
-          decode_plan plan = plan_for(batch, hkv, len, resident, cache_lens);
+        for (long sms : sm_counts) {
+          decode_plan plan = plan_for(batch, hkv, len, sms, cache_lens);
           long pairs = (long)batch * hkv, blocks = pairs * plan.chunks;
-          long wanted = DecodeWaves * resident, by_keys = pairs * max(1, len / MinChunkKeys);
+          long wanted = DecodeBlocksPerSm * sms, by_keys = pairs * max(1, len / MinChunkKeys);
           const char *why[6] = {"not whole tiles",
                                 "the keys are not covered",
                                 "the longest sequence has an empty chunk",
@@ -51,13 +51,13 @@ int main(void) {
                            blocks <= max(pairs, wanted + pairs)};
           cases++;
           for (int k = 0; k < 6; k++)
-            EXPECT(holds[k], "B=%d Hkv=%d L=%d resident=%ld: chunk_keys %d, chunks %d: %s", batch,
-                   hkv, len, resident, plan.chunk_keys, plan.chunks, why[k]);
+            EXPECT(holds[k], "B=%d Hkv=%d L=%d SMs=%ld: chunk_keys %d, chunks %d: %s", batch, hkv,
+                   len, sms, plan.chunk_keys, plan.chunks, why[k]);
         }
   /* The chunk length forced from the environment, as the boundary tests set it. */
   setenv("ATTN_DECODE_CHUNK_KEYS", "128", 1);
   for (int len : lens) {
-    decode_plan plan = plan_for(3, 8, len, 264, cache_lens);
+    decode_plan plan = plan_for(3, 8, len, 132, cache_lens);
     cases++;
     EXPECT(plan.chunk_keys == 128 && plan.chunks == max(1, (len + 127) / 128),
            "ATTN_DECODE_CHUNK_KEYS=128, L=%d: chunk_keys %d, chunks %d", len, plan.chunk_keys,
@@ -65,16 +65,16 @@ int main(void) {
   }
   unsetenv("ATTN_DECODE_CHUNK_KEYS");
 
-  printf("the decode benchmark's plans on an H100 (Hkv = 8, d = 128, 264 resident blocks):\n");
-  printf("  B   L      chunk_keys  chunks  blocks  waves\n");
+  printf("the decode benchmark's plans on an H100 (Hkv = 8, d = 128, 132 SMs):\n");
+  printf("  B   L      chunk_keys  chunks  blocks  per SM\n");
   for (int batch : {1, 8, 32})
     for (int len = 1024; len <= 131072; len *= 2) {
       for (int b = 0; b < batch; b++) cache_lens[b] = len;
       attn_problem p = {batch, 32, 1, len, 128, 0, 1.f, DTYPE_FP16, 8, cache_lens};
-      decode_plan plan = plan_chunks(&p, 264);
+      decode_plan plan = plan_chunks(&p, 132);
       long blocks = (long)batch * 8 * plan.chunks;
       printf("  %-3d %-6d %-11d %-7d %-7ld %.1f\n", batch, len, plan.chunk_keys, plan.chunks,
-             blocks, blocks / 264.0);
+             blocks, blocks / 132.0);
     }
   printf("chunk rule: %d cases, %d failures\n", cases, failures);
   return failures ? 1 : 0;

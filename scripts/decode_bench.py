@@ -18,6 +18,9 @@ before each repeat: compare_pytorch.timed_median), all in one process on the sam
   - python/bench.py's GPU spin after each flush, so that Python's dispatch of the call (a
     few microseconds beside kernels of 10 us at L = 1k) is queued before the start event
     rather than timed;
+  - the ceiling of a kernel that reads K and V under this timing (the flush leaves the L2
+    full of dirty lines, written back while the next call reads): torch.sum of K and of V,
+    rows "torch_sum_kv" with timer "read";
   - the copy bandwidth: a 1 GiB device-to-device copy (bytes read plus written), before and
     after the shapes; the larger of the two is the reference.
 Then, with --program-batches, the stage program's own --bench run of the same shapes for
@@ -29,7 +32,7 @@ Bandwidth: a call reads K and V once, 2 B Hkv L d 2 bytes (Q, O and the partials
 issue asks for (>= 0.8 at B = 1, L >= 32k).
 
 Output, under OUT: rows/decode.tsv (compare_pytorch's TSV columns, then Hkv, cache_len,
-kv_bytes, kv_gbps, copy_gbps, copy_fraction, timer (library, program or sdpa), chunk_keys
+kv_bytes, kv_gbps, copy_gbps, copy_fraction, timer (library, program, sdpa or read), chunk_keys
 (rule, or the ATTN_DECODE_CHUNK_KEYS a row was measured with), best_sdpa (1 on the fastest
 SDPA backend's row of each shape)); decode_summary.md (the table the README quotes, and
 the verdict on the two targets); plots/decode_bandwidth.png and decode_time.png (gnuplot,
@@ -55,6 +58,7 @@ import attn  # noqa: E402
 from compare_pytorch import HEADER  # noqa: E402
 
 STAGE = "11_split_kv_decode"
+READ = "torch_sum_kv"  # rows of the read-only ceiling: torch.sum of K and of V, timer "read"
 H, HKV, D, NQ = 32, 8, 128, 1
 BATCHES = [1, 8, 32]
 LENGTHS = [1024 << k for k in range(8)]  # 1k .. 128k
@@ -65,7 +69,8 @@ O_CAP_FP16 = 4e-3  # common/check.c: the fp16 hard cap on O's error, per unit of
 # shape also runs with one chunk per K/V head (chunk = L): no split, the grid of
 # FlashAttention's forward over (sequence, K/V head) alone, which is what the split buys.
 SWEEP_KEYS = [64, 128, 256, 512, 1024, 2048, 4096]
-SWEEP_SHAPES = [(1, 4096), (1, 32768), (1, 131072), (8, 16384), (32, 16384)]
+SWEEP_SHAPES = [(1, 1024), (1, 4096), (1, 8192), (1, 32768), (1, 131072), (8, 2048), (8, 16384),
+                (32, 16384)]
 EXTRA = ["Hkv", "cache_len", "kv_bytes", "kv_gbps", "copy_gbps", "copy_fraction", "timer",
          "chunk_keys", "best_sdpa"]
 
@@ -187,7 +192,8 @@ def run_program(path, b, length, out_log):
 
 def plot(rows, out_dir):
     plots = load_module("plots", os.path.join(HERE, "plots.py"))
-    rows = [r for r in rows if r["timer"] in ("library", "sdpa") and r["chunk_keys"] == "rule"]
+    rows = [r for r in rows if r["timer"] in ("library", "sdpa", "read") and
+            r["chunk_keys"] == "rule"]
     if not rows:
         return
     stamp = plots.stamp(rows)
@@ -195,7 +201,11 @@ def plot(rows, out_dir):
     for b in sorted({int(r["B"]) for r in rows}):
         mine = [r for r in rows if r["stage"] == STAGE and int(r["B"]) == b]
         best = [r for r in rows if r["best_sdpa"] == "1" and int(r["B"]) == b]
-        for name, sel in ((f"11 B={b}", mine), (f"best SDPA B={b}", best)):
+        read = [r for r in rows if r["stage"] == READ and int(r["B"]) == b and b == 1]
+        for name, sel in ((f"11 B={b}", mine), (f"best SDPA B={b}", best),
+                          (f"read only (torch.sum of K, V) B={b}", read)):
+            if not sel:
+                continue
             series_frac.append((name, [(int(r["cache_len"]), float(r["copy_fraction"]))
                                        for r in sel]))
             series_ms.append((name, [(int(r["cache_len"]), float(r["ms"])) for r in sel]))
@@ -224,7 +234,7 @@ def summary(rows, copy, path):
     lines = [f"Copy bandwidth measured in this run: {copy:.0f} GB/s (read plus written).", "",
              "| B | L | 11 ms (frac) | program ms | best SDPA | best ms (frac) | 11 / best speed "
              "| flash | cudnn | efficient | math |", "|" + "---|" * 11]
-    fast_everywhere, shortfalls, target = True, [], []
+    fast_everywhere, shortfalls, target, ceiling = True, [], [], []
     for b in BATCHES:
         for length in LENGTHS:
             at = [r for r in rows if int(r["B"]) == b and int(r["cache_len"]) == length
@@ -255,11 +265,15 @@ def summary(rows, copy, path):
             lines.append("| " + " | ".join(cells) + " |")
             if b == 1 and length >= 32768:
                 target.append(float(m["copy_fraction"]))
+                ceiling += [float(r["copy_fraction"]) for r in at if r["stage"] == READ]
     lines.append("")
     if target:
         lines.append(f"B = 1, L >= 32k: stage 11 reads K and V at {min(target):.2f}-"
                      f"{max(target):.2f} of the copy bandwidth (target >= 0.80): "
                      + ("met" if min(target) >= 0.8 else "NOT met"))
+    if ceiling:
+        lines.append(f"B = 1, L >= 32k: reading K and V alone (torch.sum of each, timed the same "
+                     f"way) reaches {min(ceiling):.2f}-{max(ceiling):.2f} of it")
     lines.append("At least as fast as PyTorch's best SDPA backend at every shape: " +
                  ("yes" if fast_everywhere else "NO (" + "; ".join(shortfalls) + ")"))
     lines += chunk_table(rows)
@@ -284,7 +298,8 @@ def chunk_table(rows):
                 r["stage"] == STAGE and int(r["B"]) == b and int(r["cache_len"]) == length]
         cells = [str(b), f"{length // 1024}k"]
         if rule:
-            chunks = int(rule[0]["workspace_bytes"]) // (b * H * NQ * (D + 1) * 4)
+            # no workspace: one chunk, whose decode blocks write O themselves
+            chunks = int(rule[0]["workspace_bytes"]) // (b * H * NQ * (D + 1) * 4) or 1
             cells.append(f"{chunks}, {float(rule[0]['ms']):.4f}")
         else:
             cells.append("-")
@@ -375,6 +390,13 @@ def main():
             pending.append((STAGE, b, length, ms, ws, peak, err, tol, verdict, "library"))
             print(f"    {STAGE}: {ms:.4f} ms, {kv_bytes(b, length) / ms / 1e6:.0f} GB/s, "
                   f"err {err:.2e} {verdict}", file=sys.stderr, flush=True)
+            # The ceiling under the same timing: reading K and V and nothing else (PyTorch's sum
+            # of each, two kernels, like stage 11's decode and merge).
+            ms_r, _, _ = pybench.measure(
+                torch, lambda: (k.sum(dtype=torch.float32), v.sum(dtype=torch.float32)), flush,
+                cycles)
+            pending.append((READ, b, length, ms_r, 0, 0, None, None, "none", "read"))
+            print(f"    {READ}: {ms_r:.4f} ms", file=sys.stderr, flush=True)
             for name in a.backends:
                 try:
                     with sdpa_kernel(sdpa_backends(torch)[name]):
