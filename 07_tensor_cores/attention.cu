@@ -8,7 +8,7 @@
  *                                dK_j += scale dS_ij Q_i      (dK, dV in registers)
  *   flash_backward_dq_kernel     two threads per query i, walking the key tiles like the
  *                                forward: dQ_i += scale dS_ij K_j  (dQ in registers)
- * A warp multiplies its 16 rows on tensor cores (fp16 or bf16 in, fp32 accumulation). WMMA
+ * A warp multiplies its rows on tensor cores (fp16 or bf16 in, fp32 accumulation). WMMA
  * does not say which lane holds which element of a fragment, so each thread reads its row of
  * a product from shared memory, and P and dS go back there as operands (not so in stage 08).
  * dQ gets its own pass instead of atomics from the dK/dV kernel: it recomputes S and dP
@@ -251,11 +251,11 @@ static void forward(const attn_problem *p, const attn_buffers *t) {
 
 /* ---- the backward ------------------------------------------------------------------ */
 
-/* Keys per dK/dV block, 16 a warp: 8 warps, so that each Q and dO tile serves 128 keys (the
- * register-resident version of this stage measured 8 warps 35% faster than 4 at d = 128). */
+/* Keys per dK/dV block, 16 a warp: 8 warps, so that each Q and dO tile serves 128 keys
+ * (stage 08, keeping them in registers, measured 8 warps 35% faster than 4 at d = 128). */
 constexpr int Bc_bwd = 128;
-/* Keys per dK/dV block where the device cannot give a block dkdv_bytes(d, Bc_bwd) (123 KiB at
- * d = 128; sm_86 and sm_89 allow 99 KiB): half the keys, half the K and V tiles. */
+/* Keys per dK/dV block where the device cannot give a block dkdv_bytes(d, Bc_bwd): half the
+ * keys, half the K and V tiles (123 KiB at d = 128; sm_86 and sm_89 allow 99 KiB). */
 constexpr int Bc_bwd_small = 64;
 /* Query rows per tile of the dK/dV kernel: 2 fragments (64: 104 KiB at d = 128, small). */
 constexpr int Br_bwd = 32;
@@ -289,10 +289,10 @@ __global__ void compute_delta_kernel(const T *o, const T *d_o, float *delta, lon
   delta[r] = sum;
 }
 
-/* LANES threads per key j of the block's BC keys (Bc_bwd, or Bc_bwd_small where shared memory
- * is smaller), a warp keeping its 16 keys' dK and dV in fragments. Per query tile it stages
- * S^T = K Q^T and dP^T = V dO^T (Q and dO read col_major, as Q^T and dO^T); its threads make
- * P^T and dS^T, the matrix_a of dV += P^T dO and dK += dS^T Q. */
+/* A warp per 16 keys j of the block's BC keys (Bc_bwd, or Bc_bwd_small where shared memory
+ * is smaller), LANES threads a key, the warp keeping their dK and dV in fragments. Per query
+ * tile it stages S^T = K Q^T and dP^T = V dO^T (Q and dO read col_major, as Q^T and dO^T); its
+ * threads make P^T and dS^T, the matrix_a of dV += P^T dO and dK += dS^T Q. */
 template <int D, int BC, typename T>
 __global__ void __launch_bounds__(threads_for(BC))
     flash_backward_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ k,
@@ -383,10 +383,10 @@ __global__ void __launch_bounds__(threads_for(Br))
   int i = i0 + threadIdx.x / LANES, part = threadIdx.x % LANES;
   bool has_row = i < nq;
   const T *K = k + bh * nkv * D, *V = v + bh * nkv * D;
+  load_kv_tile<D, Br>(q + (bh * nq + i0) * D, d_o + (bh * nq + i0) * D, min(Br, nq - i0), Qs, dOs);
   FragAcc dq_acc[D / Frag];
 #pragma unroll
   for (int c = 0; c < D / Frag; c++) wmma::fill_fragment(dq_acc[c], 0.f);
-  load_kv_tile<D, Br>(q + (bh * nq + i0) * D, d_o + (bh * nq + i0) * D, min(Br, nq - i0), Qs, dOs);
   float lse_i = has_row ? lse[bh * nq + i] : 0.f, delta_i = has_row ? delta[bh * nq + i] : 0.f;
   int offset = nkv - nq, last_row = min(i0 + Br, nq) - 1;
   int kv_end = causal ? max(0, min(nkv, last_row + offset + 1)) : nkv;
@@ -449,13 +449,13 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
     launch_dkdv<D, Bc_bwd, T>(p, t, delta);
   else
     launch_dkdv<D, Bc_bwd_small, T>(p, t, delta);
-  attn_require_shared_memory((const void *)flash_backward_dq_kernel<D, T>, tile_bytes<T>(D, true),
+  size_t dq_bytes = tile_bytes<T>(D, true);
+  attn_require_shared_memory((const void *)flash_backward_dq_kernel<D, T>, dq_bytes,
                              "flash_backward_dq_kernel");
   unsigned row_blocks = (unsigned)((p->seq_q + Br - 1) / Br * heads);
-  flash_backward_dq_kernel<D>
-      <<<row_blocks, threads_for(Br), tile_bytes<T>(D, true), attn_stream()>>>(
-          (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
-          (T *)t->dq, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
+  flash_backward_dq_kernel<D><<<row_blocks, threads_for(Br), dq_bytes, attn_stream()>>>(
+      (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
+      (T *)t->dq, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_backward_dq_kernel");
 }
 
