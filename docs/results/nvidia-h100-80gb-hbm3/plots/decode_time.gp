@@ -9,7 +9,8 @@ set logscale x 2
 set logscale y
 plot 'decode_time_data/s0.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#1b9e77' title '11 B=1' noenhanced, \
      'decode_time_data/s1.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#d95f02' title 'best SDPA B=1' noenhanced, \
-     'decode_time_data/s2.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#7570b3' title '11 B=8' noenhanced, \
-     'decode_time_data/s3.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#e7298a' title 'best SDPA B=8' noenhanced, \
-     'decode_time_data/s4.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#66a61e' title '11 B=32' noenhanced, \
-     'decode_time_data/s5.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#e6ab02' title 'best SDPA B=32' noenhanced
+     'decode_time_data/s2.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#7570b3' title 'read only (torch.sum of K, V) B=1' noenhanced, \
+     'decode_time_data/s3.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#e7298a' title '11 B=8' noenhanced, \
+     'decode_time_data/s4.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#66a61e' title 'best SDPA B=8' noenhanced, \
+     'decode_time_data/s5.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#e6ab02' title '11 B=32' noenhanced, \
+     'decode_time_data/s6.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#a6761d' title 'best SDPA B=32' noenhanced
