@@ -880,7 +880,7 @@ static void forward(const attn_problem *p, const attn_buffers *t) {
  * (measured on an H100, fp16, N = 4096 and 16384: 8 warps 35% faster than 4 at d = 128). */
 constexpr int Bc_bwd = 128;
 /* Keys per dK/dV block where the device cannot give a block dkdv_bytes(d, Bc_bwd): half the
- * keys and query rows (137 KiB at d = 128; sm_86 and sm_89 allow 99 KiB, sm_80 163 KiB). */
+ * keys and query rows (161 KiB at d = 128; sm_86 and sm_89 allow 99 KiB, sm_80 163 KiB). */
 constexpr int Bc_bwd_small = 64;
 /* Query steps (16 queries each) whose S^T and dP^T a dK/dV warp computes per load of its
  * K and V operands: each operand then feeds QSteps products instead of one. Measured on an
