@@ -57,14 +57,12 @@ __host__ __device__ constexpr int row_frags(int d) { return d > 64 ? 2 : ATTN_RO
 /* Where Q's A operands live: at d <= 64 in registers, loaded once (16 a lane); at d = 128
  * they would take 64 registers beside S and O, so they are reloaded from shared memory. */
 __host__ __device__ constexpr bool q_in_registers(int d) { return row_frags(d) == 1; }
-__host__ __device__ constexpr int threads_for(int rows, int warp_rows) {
-  return rows / warp_rows * 32;
-}
+__host__ __device__ constexpr int threads_for(int rows, int f = 1) { return rows / f / MmaM * 32; }
 /* Query rows per block: 128, so that each K and V tile copied into shared memory serves 128
  * rows (8 warps of 16 rows, or 4 of 32). */
 constexpr int Br = 128;
-/* Keys per tile: S takes 32 registers a lane per 16 rows. Measured against 32 keys (the same
- * runs; -DATTN_BC=32): 64 keys 2-4% faster at d = 64, 4% at d = 128. */
+/* Keys per tile: a tile's Bc scores are a register array per thread, so Bc is small;
+ * 64 keys, 32 scores a lane per 16 rows, ran 2-4% faster than 32 at d = 64, 4% at d = 128. */
 #ifndef ATTN_BC
 #define ATTN_BC 64
 #endif
@@ -112,23 +110,21 @@ __host__ __device__ constexpr int swizzle(int row, int col) {
 }
 
 /* Shared memory of a block walking tiles of bc keys: the double-buffered K and V tiles and
- * `rows` rows of queries (the forward's Q; the dQ kernel's Q and dO). S and P stay in the
- * registers. */
+ * `rows` rows of queries (the forward's Q; the dQ kernel's Q and dO), nothing staged. */
 template <typename T>
 static constexpr size_t tile_bytes(int d, int bc, int rows) {
   return sizeof(T) * (4 * (size_t)bc + rows) * padded<T>(d);
 }
 
-/* Rows [0, rows) of a [*, D] tensor into a swizzled tile of ROWS rows, 16 bytes per copy,
- * without waiting: cp.async lets the copy of tile t + 1 run while the warps multiply tile t.
- * The rows past `rows` are zeroed, since they enter the products (0 times a stale NaN).
- * THREADS, the block's size, is known at compile time, so the loop unrolls and each thread
- * computes its swizzled offset once: every pass moves THREADS / W rows further, a whole
- * number of swizzle periods (8 rows), which adds to the offset without changing the
- * permutation. (Dividing a runtime index by W and swizzling it on every copy cost about 30
- * instructions a copy.) */
+/* Rows [0, rows) of a [*, D] tensor into a tile of ROWS swizzled rows; the rows past `rows` are
+ * zeroed, since they enter the products (where 0 times a stale NaN is NaN). */
 template <int D, int ROWS, int THREADS, typename T>
 __device__ void load_tile(const T *src, int rows, T *dst) {
+  /* THREADS, the block's size, is known at compile time, so the loop unrolls and each thread
+   * computes its swizzled offset once: every pass moves THREADS / W rows further, a whole
+   * number of swizzle periods (8 rows), which adds to the offset without changing the
+   * permutation. (Dividing a runtime index by W and swizzling it on every copy cost about 30
+   * instructions a copy.) */
   constexpr int Chunk = 16 / sizeof(T), W = D / Chunk, Step = THREADS / W; /* rows a pass */
   static_assert(THREADS % W == 0 && Step % 8 == 0, "a pass moves whole swizzle periods");
   const int tid = threadIdx.x, r = tid / W;
@@ -137,7 +133,7 @@ __device__ void load_tile(const T *src, int rows, T *dst) {
 #pragma unroll
   for (int k = 0; k < (ROWS * W + THREADS - 1) / THREADS; k++) {
     if ((ROWS * W) % THREADS != 0 && k * THREADS + tid >= ROWS * W) break;
-    if (r + k * Step < rows)
+    if (r + k * Step < rows) /* cp.async: no waiting here, see __pipeline_wait_prior */
       __pipeline_memcpy_async(to + k * Step * padded<T>(D), from + k * THREADS * Chunk, 16);
     else
       *reinterpret_cast<float4 *>(to + k * Step * padded<T>(D)) = float4{};
@@ -145,8 +141,8 @@ __device__ void load_tile(const T *src, int rows, T *dst) {
 }
 
 /* The whole block copies rows [j0, j0 + cols) of K and V into Ks, Vs: consecutive threads
- * take consecutive 16 bytes, so each warp reads 512 contiguous bytes. (The dK/dV kernel
- * reuses this with more threads per block, and for Q and dO: ROWS.) */
+ * take consecutive float4s, so each warp reads 512 contiguous bytes. (THREADS, not Br:
+ * the dK/dV kernel reuses this with more threads per block, and for Q and dO: ROWS.) */
 template <int D, int ROWS, int THREADS, typename T>
 __device__ void load_kv_tile(const T *K, const T *V, int cols, T *Ks, T *Vs) {
   load_tile<D, ROWS, THREADS>(K, cols, Ks), load_tile<D, ROWS, THREADS>(V, cols, Vs);
@@ -192,15 +188,11 @@ __device__ unsigned operand_address(const T *tile, int lane_row, int lane_col, i
   return moved + row * padded<T>(D) * sizeof(T);
 }
 
-/* Which row of the 16 x 16 block at (row, col) of a tile this lane points ldmatrix.x4 at,
- * for the three ways the operands are read:
- *   a_operand: the block as A (rows x k): blocks (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15),
- *     (8-15, 8-15) are a[0..3];
- *   b_operand: the block holds B transposed, one row per output column (K for S = Q K^T):
- *     blocks (cols 0-7, k 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15) are b[0..1] of the
- *     first 8 columns, then b[0..1] of the next 8;
- *   b_operand_trans: the block holds B as it is, k down (V for O = P V), read with .trans:
- *     blocks (k 0-7, cols 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15). */
+/* The row of the 16 x 16 tile at (row, col) of a larger tile this lane points ldmatrix.x4 at,
+ * so that its four 8 x 8 blocks arrive in the registers' order of the picture above: a[0..3]
+ * for a_operand (the tile is A, rows x k); b[0..1] of columns 0-7, then of columns 8-15, for
+ * b_operand (the tile is B transposed, a row per column: K in S = Q K^T) and b_operand_trans
+ * (the tile is B, k down: V in O = P V, read with .trans). */
 template <int D, typename T>
 __device__ unsigned a_operand(const T *tile, int row, int col) {
   int lane = threadIdx.x % 32;
@@ -217,9 +209,29 @@ __device__ unsigned b_operand_trans(const T *tile, int row, int col) {
   return operand_address<D>(tile, lane / 8 % 2 * 8 + lane % 8, lane / 16 * 8, row, col);
 }
 
+/* acc (FRAGS x 16 rows, N columns) += A B for one k-step of 16: a[f] is the A operand of the
+ * rows of fragment f, and each B operand, loaded from shared memory once, feeds every fragment.
+ * B is read from the rows of an N x 16 tile (K in S = Q K^T), or with TRANS from a 16 x N tile
+ * (V in O = P V), at (row, col) of a tile of D-element rows. */
+template <int D, bool TRANS, int N, int FRAGS = 1, typename T>
+__device__ void mma_tile(float (*acc)[N / MmaN][4], const unsigned (*a)[4], const T *B, int row,
+                         int col) {
+#pragma unroll
+  for (int n2 = 0; n2 < N / 16; n2++) { /* 16 columns: two accumulators per fragment */
+    unsigned b[4];
+    if constexpr (TRANS)
+      ldmatrix_x4_trans(b, b_operand_trans<D>(B, row, col + n2 * 16));
+    else
+      ldmatrix_x4(b, b_operand<D>(B, row + n2 * 16, col));
+#pragma unroll
+    for (int f = 0; f < FRAGS; f++)
+      mma_m16n8k16(acc[f][2 * n2], a[f], b, T()),
+          mma_m16n8k16(acc[f][2 * n2 + 1], a[f], b + 2, T());
+  }
+}
+
 /* The exponentials are exp2 (one instruction): exp(x) = exp2(x log2 e), log x = ln 2 log2 x. */
 constexpr float Log2e = 1.4426950408889634f, Ln2 = 0.6931471805599453f;
-
 /* 2^x in one instruction (MUFU.EX2); 2^-inf = +0. Its relative error, about 2^-22, is far
  * below the dtype's rounding of P. */
 __device__ float exp2_approx(float x) {
@@ -250,47 +262,27 @@ __device__ float sum_over_quad(float x) {
 }
 
 /* A lane holds 2 rows of each of the warp's RowFrags fragments: its row h is g + 8 h of the
- * warp's rows, element e of fragment f's accumulators belongs to row 2 f + e / 2. */
-
-/* A warp's S = Q K^T for one tile (RowFrags x 16 rows, BC keys) in accumulators
- * s[f][BC / 8][4]. Only a `masked` tile (one that crosses the causal diagonal or the end of
- * the keys) is masked: an element past its row's last visible key becomes -inf, the lane's
- * row h seeing the tile's first row_cols[h] keys. m_blk[h] is row h's max over the tile,
- * reduced over the row's quad. */
+ * warp's rows; element e of fragment f's accumulators belongs to row 2 f + e / 2.
+ * s[f][BC / 8][4], zeroed, accumulates S = Q K^T of the warp's rows and the tile's keys. Only
+ * a tile that crosses the causal diagonal or the end of the keys is masked: an element past
+ * its row's last visible key (`masked` says which tile; row h sees the tile's first
+ * row_cols[h]) becomes -inf. m_blk[h] is row h's max over the tile, over the row's quad. */
 template <int D, int BC, typename T>
 __device__ void compute_qk_scores_and_max(const T *Q, const unsigned (*q_frag)[4], const T *K,
                                           bool masked, const int *row_cols,
                                           float (*s)[BC / MmaN][4], float *m_blk) {
   constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
 #pragma unroll
-  for (int f = 0; f < RowFrags; f++)
-#pragma unroll
-    for (int n = 0; n < BC / MmaN; n++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) s[f][n][e] = 0.f;
-#pragma unroll
   for (int kk = 0; kk < D / MmaK; kk++) {
     unsigned a[RowFrags][4];
+    if (!q_in_registers(D))
 #pragma unroll
-    for (int f = 0; f < RowFrags; f++) {
-      if (q_in_registers(D))
-#pragma unroll
-        for (int r = 0; r < 4; r++) a[f][r] = q_frag[kk][r];
-      else
-        ldmatrix_x4(a[f], a_operand<D>(Q, f * MmaM, kk * MmaK));
-    }
-#pragma unroll
-    for (int n2 = 0; n2 < BC / 16; n2++) { /* 16 keys: two accumulators per fragment */
-      unsigned b[4];
-      ldmatrix_x4(b, b_operand<D>(K, n2 * 16, kk * MmaK));
-#pragma unroll
-      for (int f = 0; f < RowFrags; f++)
-        mma_m16n8k16(s[f][2 * n2], a[f], b, T()), mma_m16n8k16(s[f][2 * n2 + 1], a[f], b + 2, T());
-    }
+      for (int f = 0; f < RowFrags; f++) ldmatrix_x4(a[f], a_operand<D>(Q, f * MmaM, kk * MmaK));
+    mma_tile<D, false, BC, RowFrags>(s, q_in_registers(D) ? q_frag + kk : a, K, 0, kk * MmaK);
   }
-  /* Only a tile that crosses the diagonal or the end of the keys is masked: a compare and a
-   * select per element. At d <= 64 a branch skips them on the other tiles; at d = 128 they
-   * are folded into the max on every tile, since the branch would cost 60 bytes of spills. */
+  /* The mask is a compare and a select per element. At d <= 64 a branch skips them on the
+   * tiles that need no mask; at d = 128 they stay in the loop of the max, predicated on every
+   * tile, since the branch there would cost 60 bytes of spills. */
   int t = threadIdx.x % Quad;
   if (RowFrags == 1 && masked)
 #pragma unroll
@@ -369,15 +361,7 @@ __device__ void compute_block_softmax_and_weighted_v(const float (*s)[BC / MmaN]
         p_frag[f][2 * half] = pack2(p[0], p[1], T());     /* rows 0-7 */
         p_frag[f][2 * half + 1] = pack2(p[2], p[3], T()); /* rows 8-15 */
       }
-#pragma unroll
-    for (int n2 = 0; n2 < D / 16; n2++) {
-      unsigned b[4];
-      ldmatrix_x4_trans(b, b_operand_trans<D>(V, kk * MmaK, n2 * 16));
-#pragma unroll
-      for (int f = 0; f < RowFrags; f++)
-        mma_m16n8k16(acc[f][2 * n2], p_frag[f], b, T()),
-            mma_m16n8k16(acc[f][2 * n2 + 1], p_frag[f], b + 2, T());
-    }
+    mma_tile<D, true, D, RowFrags>(acc, p_frag, V, kk * MmaK, 0);
   }
 }
 
@@ -417,13 +401,13 @@ __device__ void normalize_output(const float (*acc)[D / MmaN][4], const float *m
 }
 
 template <int D, int BC, typename T>
-__global__ void __launch_bounds__(threads_for(Br, row_frags(D) * MmaM), 2)
+__global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
     flash_forward_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                          const int *__restrict__ cache_lens, T *__restrict__ o,
                          float *__restrict__ lse, int nq, int nkv, int heads, int seq_heads,
                          int group, float scale, int causal) {
   constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
-  constexpr int Threads = threads_for(Br, RowFrags * MmaM);
+  constexpr int Threads = threads_for(Br, RowFrags);
   extern __shared__ __align__(256) float4 smem[]; /* cp.async and ldmatrix move 16 bytes */
   T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + 2 * BC * padded<T>(D);
   T *Qs = Vs + 2 * BC * padded<T>(D); /* K and V double-buffered, then the Q tile */
@@ -444,7 +428,8 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D) * MmaM), 2)
    * cache's capacity); sequence b = bh / H holds `len` valid keys. */
   const T *K = k + bh / group * nkv * D, *V = v + bh / group * nkv * D;
   int len = cache_lens ? cache_lens[bh / seq_heads] : nkv;
-  float acc[RowFrags][D / MmaN][4] = {}, s[RowFrags][BC / MmaN][4];
+  const T *Qw = Qs + (row0 - i0) * padded<T>(D); /* the warp's rows */
+  float acc[RowFrags][D / MmaN][4] = {};
   float m[LaneRows], l[LaneRows], m_blk[LaneRows];
   unsigned q_frag[q_in_registers(D) ? D / MmaK : 1][4];
 #pragma unroll
@@ -485,20 +470,20 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D) * MmaM), 2)
     __pipeline_wait_prior(split ? 2 : 1);
     __syncthreads(); /* RAW: K(t) (the first time, Q too) is in shared memory; WAR, split: every
                       * warp is done with P V(t - 1), so V(t + 1) may overwrite its buffer */
-    /* A tile past the warp's first row's limit crosses the diagonal: each row keeps the
-     * columns it sees, [j0, i + offset], which may be none. */
+    /* A tile past the first row's limit crosses the diagonal: each row keeps the columns it
+     * sees, [j0, i + offset], which may be none. */
     bool diagonal = causal && j0 + cols - 1 > row0 + offset;
-    int row_cols[LaneRows]; /* on a diagonal tile, row i + 8 h sees one key more than row i */
+    int row_cols[LaneRows]; /* on a diagonal tile, row i + 8 h sees 8 h keys more than row i */
 #pragma unroll
     for (int h = 0; h < LaneRows; h++)
       row_cols[h] = diagonal ? min(cols, i + offset + 1 - j0 + 8 * h) : cols;
     const T *Kt = Ks + buf * BC * padded<T>(D), *Vt = Vs + buf * BC * padded<T>(D);
+    float s[RowFrags][BC / MmaN][4] = {};
     if (q_in_registers(D) && j0 == 0) /* Q has landed: its operands, once */
 #pragma unroll
       for (int kk = 0; kk < D / MmaK; kk++)
         ldmatrix_x4(q_frag[kk], a_operand<D>(Qs, row0 - i0, kk * MmaK));
-    compute_qk_scores_and_max<D, BC>(Qs + (row0 - i0) * padded<T>(D), q_frag, Kt,
-                                     diagonal || cols < BC, row_cols, s, m_blk);
+    compute_qk_scores_and_max<D, BC>(Qw, q_frag, Kt, diagonal || cols < BC, row_cols, s, m_blk);
     merge_block_stats<D>(m_blk, scale_log2, m, l, acc);
     if (split && next < kv_end)
       load_tile<D, BC, Threads>(V + (long)next * D, min(BC, len - next), Vn);
@@ -512,19 +497,6 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D) * MmaM), 2)
   __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
   normalize_output<D>(acc, m, l, scale_log2, o + (bh * nq + row0) * D, lse + bh * nq + row0,
                       nq - row0);
-}
-
-template <int D, int BC, typename T>
-static void launch_forward(const attn_problem *p, const attn_buffers *t) {
-  int heads = p->batch * p->heads;
-  dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
-  attn_require_shared_memory((const void *)flash_forward_kernel<D, BC, T>, tile_bytes<T>(D, BC, Br),
-                             "flash_forward_kernel");
-  flash_forward_kernel<D, BC>
-      <<<grid, threads_for(Br, row_frags(D) * MmaM), tile_bytes<T>(D, BC, Br), attn_stream()>>>(
-          (const T *)t->q, (const T *)t->k, (const T *)t->v, t->cache_lens, (T *)t->o, t->lse,
-          p->seq_q, p->seq_kv, heads, p->heads, attn_group(p), p->scale, p->causal);
-  CHECK_LAUNCH("flash_forward_kernel");
 }
 
 /* ---- the decode path ------------------------------------------------------------------ */
@@ -720,7 +692,7 @@ __global__ void __launch_bounds__(DecodeThreads, 2)
   if (j_begin >= len && chunks > 1) return; /* past the cache: the merge reads nothing of it */
   int rows = group * nq, w = threadIdx.x / 32, g = threadIdx.x % 32 / Quad;
   const T *K = k + pair * nkv * D, *V = v + pair * nkv * D;
-  float acc[RowFrags][D / MmaN][4] = {}, s[RowFrags][MmaK / MmaN][4];
+  float acc[RowFrags][D / MmaN][4] = {};
   float m[LaneRows], l[LaneRows], m_blk[LaneRows];
   unsigned q_frag[q_in_registers(D) ? D / MmaK : 1][4];
   /* Row g + 8 h of the block is query i = (g + 8 h) % Nq of head (g + 8 h) / Nq of the group:
@@ -776,6 +748,7 @@ __global__ void __launch_bounds__(DecodeThreads, 2)
       masked |= row_cols[h] < MmaK;
     }
     const T *Kt = Ks + (buf * BC + w * MmaK) * ld, *Vt = Vs + (buf * BC + w * MmaK) * ld;
+    float s[RowFrags][MmaK / MmaN][4] = {};
     if (q_in_registers(D) && j0 == j_begin) /* Q has landed: its operands, once */
 #pragma unroll
       for (int kk = 0; kk < D / MmaK; kk++) ldmatrix_x4(q_frag[kk], a_operand<D>(Qs, 0, kk * MmaK));
@@ -946,17 +919,23 @@ static bool decode_shaped(const attn_problem *p, int d) {
 }
 
 /* fp16, or bf16 through launch<D, __nv_bfloat16>: the harness uploads the problem's dtype. */
-template <int D, typename T = __half>
+template <int D, typename T = __half, int BC = Bc>
 static void launch(const attn_problem *p, const attn_buffers *t) {
   if (p->dtype == DTYPE_BF16 && !std::is_same_v<T, __nv_bfloat16>)
     return launch<D, __nv_bfloat16>(p, t);
   if (decode_shaped(p, D))
     return decode_deep<D, T>() ? launch_decode<D, DecodeStages, T>(p, t)
                                : launch_decode<D, 2, T>(p, t);
-  if (tile_bytes<T>(D, Bc, Br) <= attn_shared_memory_limit())
-    launch_forward<D, Bc, T>(p, t);
-  else
-    launch_forward<D, Bc_small, T>(p, t);
+  size_t bytes = tile_bytes<T>(D, BC, Br);
+  if (BC > Bc_small && bytes > attn_shared_memory_limit()) return launch<D, T, Bc_small>(p, t);
+  int heads = p->batch * p->heads;
+  dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
+  attn_require_shared_memory((const void *)flash_forward_kernel<D, BC, T>, bytes,
+                             "flash_forward_kernel");
+  flash_forward_kernel<D, BC><<<grid, threads_for(Br, row_frags(D)), bytes, attn_stream()>>>(
+      (const T *)t->q, (const T *)t->k, (const T *)t->v, t->cache_lens, (T *)t->o, t->lse, p->seq_q,
+      p->seq_kv, heads, p->heads, attn_group(p), p->scale, p->causal);
+  CHECK_LAUNCH("flash_forward_kernel");
 }
 
 static void forward(const attn_problem *p, const attn_buffers *t) {
@@ -989,8 +968,8 @@ static size_t forward_workspace(const attn_problem *p) {
 /* Keys per dK/dV block, 16 a warp: 8 warps, so that each Q and dO tile serves 128 keys
  * (measured on an H100, fp16, N = 4096 and 16384: 8 warps 35% faster than 4 at d = 128). */
 constexpr int Bc_bwd = 128;
-/* Keys per dK/dV block where the device cannot give a block dkdv_bytes(d, Bc_bwd) (137 KiB
- * at d = 128; sm_86 and sm_89 allow 99 KiB, sm_80 163 KiB): half the keys and query rows. */
+/* Keys per dK/dV block where the device cannot give a block dkdv_bytes(d, Bc_bwd): half the
+ * keys and query rows (161 KiB at d = 128; sm_86 and sm_89 allow 99 KiB, sm_80 163 KiB). */
 constexpr int Bc_bwd_small = 64;
 /* Query steps (16 queries each) whose S^T and dP^T a dK/dV warp computes per load of its
  * K and V operands: each operand then feeds QSteps products instead of one. Measured on an
@@ -1128,12 +1107,7 @@ __device__ void accumulate_dq(const T *dSt, const T *Ks, float *dq_accum, int ro
   for (int kk = 0; kk < BC / MmaK; kk++) {
     unsigned a[4]; /* dS (queries x keys) is dS^T read with .trans: b_operand's lane rows */
     ldmatrix_x4_trans(a, b_operand<Br_bwd>(dSt, kk * MmaK, qf * MmaM));
-#pragma unroll
-    for (int n2 = 0; n2 < Cols / 16; n2++) {
-      unsigned b[4];
-      ldmatrix_x4_trans(b, b_operand_trans<D>(Ks, kk * MmaK, c0 + n2 * 16));
-      mma_m16n8k16(acc[2 * n2], a, b, T()), mma_m16n8k16(acc[2 * n2 + 1], a, b + 2, T());
-    }
+    mma_tile<D, true, Cols>(&acc, &a, Ks, kk * MmaK, c0);
   }
   int g = threadIdx.x % 32 / Quad, tq = threadIdx.x % Quad;
 #pragma unroll
@@ -1240,25 +1214,17 @@ __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
       float s[QSteps][KeyFrags][2][4] = {}, dp[QSteps][KeyFrags][2][4] = {};
 #pragma unroll
       for (int kk = 0; kk < D / MmaK; kk++) {
-        unsigned a[KeyFrags][4], b[4];
+        unsigned a[KeyFrags][4];
 #pragma unroll
         for (int f = 0; f < KeyFrags; f++) ldmatrix_x4(a[f], a_operand<D>(Kw, f * MmaM, kk * MmaK));
 #pragma unroll
-        for (int q = 0; q < QSteps; q++) {
-          ldmatrix_x4(b, b_operand<D>(Qt, (q0 + q) * 16, kk * MmaK));
-#pragma unroll
-          for (int f = 0; f < KeyFrags; f++)
-            mma_m16n8k16(s[q][f][0], a[f], b, T()), mma_m16n8k16(s[q][f][1], a[f], b + 2, T());
-        }
+        for (int q = 0; q < QSteps; q++)
+          mma_tile<D, false, 16, KeyFrags>(s[q], a, Qt, (q0 + q) * 16, kk * MmaK);
 #pragma unroll
         for (int f = 0; f < KeyFrags; f++) ldmatrix_x4(a[f], a_operand<D>(Vw, f * MmaM, kk * MmaK));
 #pragma unroll
-        for (int q = 0; q < QSteps; q++) {
-          ldmatrix_x4(b, b_operand<D>(dOt, (q0 + q) * 16, kk * MmaK));
-#pragma unroll
-          for (int f = 0; f < KeyFrags; f++)
-            mma_m16n8k16(dp[q][f][0], a[f], b, T()), mma_m16n8k16(dp[q][f][1], a[f], b + 2, T());
-        }
+        for (int q = 0; q < QSteps; q++)
+          mma_tile<D, false, 16, KeyFrags>(dp[q], a, dOt, (q0 + q) * 16, kk * MmaK);
       }
 #pragma unroll
       for (int q = 0; q < QSteps; q++) {
@@ -1317,24 +1283,25 @@ __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
   store_tile<Cols, KeyFrags>(dv_acc, dv_factor, dv + (bh * nkv + jw) * D + c0, nkv - jw, D);
 }
 
-/* A warp per 16 query rows, keeping dQ in accumulators while it walks the key tiles like the
- * forward, 16 keys at a time: S = Q K^T and dP = dO V^T, dS = P (dP - D) made in registers,
- * then dQ += dS K with those 16 keys as the k-step. */
+/* A warp per 16 query rows, walking the key tiles like the forward with dQ in accumulators;
+ * per 16 keys, S = Q K^T and dP = dO V^T become dS in registers, the A operand of dQ += dS K:
+ * dQ_i = scale sum_j dS_ij K_j with dS_ij = P_ij (dO_i . V_j - D_i) recomputed key by key. */
 template <int D, typename T>
-__global__ void __launch_bounds__(threads_for(Br_dq, MmaM), dq_blocks_per_sm(D))
+__global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
     flash_backward_dq_kernel(const T *__restrict__ q, const T *__restrict__ k,
                              const T *__restrict__ v, const T *__restrict__ d_o,
                              const float *__restrict__ lse, const float *__restrict__ delta,
                              T *__restrict__ dq, int nq, int nkv, int heads, float scale,
                              int causal) {
-  constexpr int ld = padded<T>(D), Bc = Bc_dq, Threads = threads_for(Br_dq, MmaM);
+  constexpr int ld = padded<T>(D), Br = Br_dq, Bc = Bc_dq; /* this kernel's own tiles */
+  constexpr int Threads = threads_for(Br);
   extern __shared__ __align__(256) float4 smem[];
   T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + 2 * Bc * ld, *Qs = Vs + 2 * Bc * ld;
-  T *dOs = Qs + Br_dq * ld;
-  int row_blocks = (nq + Br_dq - 1) / Br_dq;
+  T *dOs = Qs + Br * ld;
+  int row_blocks = (nq + Br - 1) / Br;
   long bh = causal ? blockIdx.x % heads : blockIdx.x / row_blocks;
-  int i0 = (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) *
-           Br_dq;
+  int i0 =
+      (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) * Br;
   int iw = i0 + threadIdx.x / 32 * MmaM, g = threadIdx.x % 32 / Quad, tq = threadIdx.x % Quad;
   const T *Qw = Qs + (iw - i0) * ld, *dOw = dOs + (iw - i0) * ld; /* the warp's 16 rows */
   const T *K = k + bh * nkv * D, *V = v + bh * nkv * D;
@@ -1343,8 +1310,8 @@ __global__ void __launch_bounds__(threads_for(Br_dq, MmaM), dq_blocks_per_sm(D))
    * meet every key tile, and reloading them would double the ldmatrix reads of S and dP. */
   unsigned q_frag[D / MmaK][4], do_frag[D / MmaK][4];
   const float scale_log2 = scale * Log2e;
-  load_kv_tile<D, Br_dq, Threads>(q + (bh * nq + i0) * D, d_o + (bh * nq + i0) * D,
-                                  min(Br_dq, nq - i0), Qs, dOs);
+  load_kv_tile<D, Br, Threads>(q + (bh * nq + i0) * D, d_o + (bh * nq + i0) * D, min(Br, nq - i0),
+                               Qs, dOs);
   /* LSE (log2 units) and D of the lane's two rows, in registers; rows past the end get 0. */
   float lse_e[4], delta_e[4];
 #pragma unroll
@@ -1353,7 +1320,7 @@ __global__ void __launch_bounds__(threads_for(Br_dq, MmaM), dq_blocks_per_sm(D))
     lse_e[e] = i < nq ? lse[bh * nq + i] * Log2e : 0.f;
     delta_e[e] = i < nq ? delta[bh * nq + i] : 0.f;
   }
-  int offset = nkv - nq, last_row = min(i0 + Br_dq, nq) - 1;
+  int offset = nkv - nq, last_row = min(i0 + Br, nq) - 1;
   int kv_end = causal ? max(0, min(nkv, last_row + offset + 1)) : nkv;
   if (kv_end > 0) load_kv_tile<D, Bc, Threads>(K, V, min(Bc, nkv), Ks, Vs);
   __pipeline_commit();
@@ -1379,11 +1346,8 @@ __global__ void __launch_bounds__(threads_for(Br_dq, MmaM), dq_blocks_per_sm(D))
       float s[2][4] = {}, dp[2][4] = {};
 #pragma unroll
       for (int kk = 0; kk < D / MmaK; kk++) {
-        unsigned b[4];
-        ldmatrix_x4(b, b_operand<D>(Kt, n2 * 16, kk * MmaK));
-        mma_m16n8k16(s[0], q_frag[kk], b, T()), mma_m16n8k16(s[1], q_frag[kk], b + 2, T());
-        ldmatrix_x4(b, b_operand<D>(Vt, n2 * 16, kk * MmaK));
-        mma_m16n8k16(dp[0], do_frag[kk], b, T()), mma_m16n8k16(dp[1], do_frag[kk], b + 2, T());
+        mma_tile<D, false, 16>(&s, q_frag + kk, Kt, n2 * 16, kk * MmaK);
+        mma_tile<D, false, 16>(&dp, do_frag + kk, Vt, n2 * 16, kk * MmaK);
       }
       unsigned p_frag[4], ds_frag[4];
 #pragma unroll
@@ -1398,13 +1362,7 @@ __global__ void __launch_bounds__(threads_for(Br_dq, MmaM), dq_blocks_per_sm(D))
         probabilities_and_ds<T>(s[half], dp[half], scale_log2, lse_e, delta_e, visible,
                                 p_frag + 2 * half, ds_frag + 2 * half);
       }
-#pragma unroll
-      for (int c2 = 0; c2 < D / 16; c2++) {
-        unsigned b[4];
-        ldmatrix_x4_trans(b, b_operand_trans<D>(Kt, n2 * 16, c2 * 16));
-        mma_m16n8k16(dq_acc[0][2 * c2], ds_frag, b, T());
-        mma_m16n8k16(dq_acc[0][2 * c2 + 1], ds_frag, b + 2, T());
-      }
+      mma_tile<D, true, D>(dq_acc, &ds_frag, Kt, n2 * 16, 0);
     }
     __syncthreads(); /* WAR: every warp is done with buffer `buf` before tile t + 2 fills it */
   }
@@ -1468,7 +1426,7 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   attn_require_shared_memory((const void *)flash_backward_dq_kernel<D, T>, dq_bytes,
                              "flash_backward_dq_kernel");
   unsigned row_blocks = (unsigned)((p->seq_q + Br_dq - 1) / Br_dq * heads);
-  flash_backward_dq_kernel<D><<<row_blocks, threads_for(Br_dq, MmaM), dq_bytes, attn_stream()>>>(
+  flash_backward_dq_kernel<D><<<row_blocks, threads_for(Br_dq), dq_bytes, attn_stream()>>>(
       (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
       (T *)t->dq, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_backward_dq_kernel");
