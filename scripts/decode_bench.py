@@ -212,8 +212,8 @@ def plot(rows, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     gps = [plots.gnuplot_file(
         os.path.join(out_dir, "decode_bandwidth.png"),
-        "Decode: K/V bytes read per second / copy bandwidth (H = 32, Hkv = 8, d = 128, Nq = 1, "
-        "fp16)", "cache length L (keys)", "fraction of the measured copy bandwidth",
+        "Decode: K/V bytes a second / copy bandwidth (H = 32, Hkv = 8, d = 128, fp16)",
+        "cache length L (keys)", "fraction of the measured copy bandwidth",
         series_frac, stamp, logy=False, lines=[("target at B = 1, L >= 32k", 0.8)]),
         plots.gnuplot_file(
             os.path.join(out_dir, "decode_time.png"),

@@ -1,6 +1,6 @@
 set terminal pngcairo size 1000,640 font 'sans,11'
 set output 'decode_bandwidth.png'
-set title "Decode: K/V bytes read per second / copy bandwidth (H = 32, Hkv = 8, d = 128, Nq = 1, fp16)\n{/*0.8 NVIDIA H100 80GB HBM3, CUDA 13.0, 2026-11-25}"
+set title "Decode: K/V bytes a second / copy bandwidth (H = 32, Hkv = 8, d = 128, fp16)\n{/*0.8 NVIDIA H100 80GB HBM3, CUDA 13.0, 2026-11-25}"
 set xlabel 'cache length L (keys)'
 set ylabel 'fraction of the measured copy bandwidth'
 set grid
