@@ -47,6 +47,21 @@ function(attn_expect stage case kind code regex)
                                           "${ATTN_SKIP_REGEX}" TIMEOUT 120)
 endfunction()
 
+# compute-sanitizer's `tool` on one run of the stage (labels gpu and sanitizer); where the
+# tool is missing, the test says so and shows as skipped.
+function(attn_sanitizer_test stage case tool)
+  set(name ${stage}.sanitizer.${tool}.${case})
+  if(ATTN_COMPUTE_SANITIZER)
+    add_test(NAME ${name} COMMAND ${ATTN_COMPUTE_SANITIZER} --tool ${tool} --error-exitcode 1
+                                  $<TARGET_FILE:${stage}> ${ARGN})
+  else()
+    add_test(NAME ${name} COMMAND ${CMAKE_COMMAND} -E echo
+                                  "SKIPPED: no CUDA device tools (compute-sanitizer)")
+  endif()
+  set_tests_properties(${name} PROPERTIES LABELS "gpu;sanitizer" SKIP_RETURN_CODE 77
+                                          SKIP_REGULAR_EXPRESSION "${ATTN_SKIP_REGEX}" TIMEOUT 900)
+endfunction()
+
 # Two runs whose saved .npy files must be identical bit for bit: MODE=reload runs with
 # --save, then --load of what it saved; MODE=repeat runs the same command twice.
 function(attn_compare_runs stage case kind mode)
@@ -258,20 +273,10 @@ function(attention_stage name source)
           if(NOT dtype STREQUAL "fp32")
             set(t ".${dtype}")
           endif()
-          set(tname ${name}.sanitizer.${tool}.${variant}${t})
-          if(ATTN_COMPUTE_SANITIZER)
-            add_test(NAME ${tname}
-                     COMMAND ${ATTN_COMPUTE_SANITIZER} --tool ${tool} --error-exitcode 1
-                             $<TARGET_FILE:${name}> ${small} ${extra})
-          else()
-            add_test(NAME ${tname} COMMAND ${CMAKE_COMMAND} -E echo
-                                           "SKIPPED: no CUDA device tools (compute-sanitizer)")
-          endif()
-          set_tests_properties(${tname} PROPERTIES LABELS "gpu;sanitizer" SKIP_RETURN_CODE 77
-                                                   SKIP_REGULAR_EXPRESSION "${ATTN_SKIP_REGEX}"
-                                                   TIMEOUT 900)
+          attn_sanitizer_test(${name} ${variant}${t} ${tool} ${small} ${extra})
           if(env)
-            set_tests_properties(${tname} PROPERTIES ENVIRONMENT ${env})
+            set_tests_properties(${name}.sanitizer.${tool}.${variant}${t} PROPERTIES
+                                 ENVIRONMENT ${env})
           endif()
         endforeach()
       endforeach()
