@@ -85,8 +85,14 @@ constexpr int Bc = 128;
 #ifndef ATTN_OVERLAP
 #define ATTN_OVERLAP 1
 #endif
-constexpr bool WarpSpecialize = ATTN_WARP_SPECIALIZE, Overlap = ATTN_OVERLAP;
+/* -DATTN_WGMMA=0 keeps 09's products (mma.sync, fed by ldmatrix) on the tiles the TMA writes:
+ * with -DATTN_WARP_SPECIALIZE=0 -DATTN_OVERLAP=0, the table's "TMA alone". */
+#ifndef ATTN_WGMMA
+#define ATTN_WGMMA 1
+#endif
+constexpr bool WarpSpecialize = ATTN_WARP_SPECIALIZE, Overlap = ATTN_OVERLAP, Wgmma = ATTN_WGMMA;
 static_assert(WarpSpecialize || !Overlap, "the overlap is built on the producer warpgroup");
+static_assert(Wgmma || !Overlap, "mma.sync is not asynchronous: there is nothing to overlap");
 constexpr int Producers = WarpSpecialize ? 1 : 0; /* warpgroups */
 __host__ __device__ constexpr int forward_threads(int d) {
   return (Producers + consumers(d)) * WarpgroupThreads;
@@ -389,7 +395,7 @@ __device__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "me
 __device__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
 __device__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+  if constexpr (Wgmma) asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 template <int R>
 __device__ void settle(float *r) {
@@ -475,11 +481,43 @@ __device__ void warpgroup_sync(int id) {
  * an accumulator belongs to row e / 2. A wgmma's accumulators (64 x N) are, in each warp of the
  * warpgroup, mma.sync's for that warp's 16 rows, N / 8 of them side by side. */
 
+/* -DATTN_WGMMA=0: the shared-memory address of element (row + lane_row, col + lane_col) of a
+ * tile of ROWS rows as the TMA wrote it, box after box, for ldmatrix: inside a box it is 09's
+ * swizzled tile of Cols-element rows. */
+template <int D, int ROWS, typename T>
+__device__ unsigned box_operand_address(const T *tile, int lane_row, int lane_col, int row,
+                                        int col) {
+  constexpr int Cols = box_cols<D, T>();
+  static_assert(ATTN_SWIZZLE, "the copy engine's layout is the swizzled one");
+  return operand_address<Cols>(tile + col / Cols * ROWS * Cols, lane_row, lane_col, row,
+                               col % Cols);
+}
+
 /* Issues S = Q K^T for one tile (the warpgroup's 64 rows, BC keys) into the accumulators
  * s[BC / 8][4], one wgmma a k-step, Q and K read from shared memory; the caller waits. */
 template <int D, typename T>
 __device__ void compute_qk_scores(const T *Q, const T *K, float (*s)[4]) {
   constexpr int Cols = box_cols<D, T>(), Atom = 8 * Cols * sizeof(T), Br = block_rows(D);
+  if constexpr (!Wgmma) { /* 09's product: each warp its 16 rows, by mma.sync */
+    const int lane = threadIdx.x % 32, warp_row = threadIdx.x / 32 % 4 * MmaM;
+#pragma unroll
+    for (int n = 0; n < Bc / MmaN; n++)
+#pragma unroll
+      for (int e = 0; e < 4; e++) s[n][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / MmaK; kk++) {
+      unsigned a[4];
+      ldmatrix_x4(a, box_operand_address<D, Br>(Q, lane % 16, lane / 16 * 8, warp_row, kk * MmaK));
+#pragma unroll
+      for (int n2 = 0; n2 < Bc / 16; n2++) {
+        unsigned b[4];
+        ldmatrix_x4(b, box_operand_address<D, Bc>(K, lane / 16 * 8 + lane % 8, lane / 8 % 2 * 8,
+                                                  n2 * 16, kk * MmaK));
+        mma_m16n8k16(s[2 * n2], a, b, T()), mma_m16n8k16(s[2 * n2 + 1], a, b + 2, T());
+      }
+    }
+    return;
+  }
   wgmma_fence(); /* the softmax's reads of the last S come before this product overwrites it */
 #pragma unroll
   for (int kk = 0; kk < D / MmaK; kk++) {
@@ -577,6 +615,20 @@ __device__ void pack_probabilities(const float (*s)[4], unsigned (*p_frag)[4]) {
 template <int D, typename T>
 __device__ void multiply_pv(const unsigned (*p_frag)[4], const T *V, float (*acc)[4]) {
   constexpr int Cols = box_cols<D, T>(), Atom = 8 * Cols * sizeof(T);
+  if constexpr (!Wgmma) { /* 09's product, V read transposed by ldmatrix */
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int kk = 0; kk < Bc / MmaK; kk++)
+#pragma unroll
+      for (int n2 = 0; n2 < D / 16; n2++) {
+        unsigned b[4];
+        ldmatrix_x4_trans(b, box_operand_address<D, Bc>(V, lane / 8 % 2 * 8 + lane % 8,
+                                                        lane / 16 * 8, kk * MmaK, n2 * 16));
+        mma_m16n8k16(acc[2 * n2], p_frag[kk], b, T()),
+            mma_m16n8k16(acc[2 * n2 + 1], p_frag[kk], b + 2, T());
+      }
+    return;
+  }
   wgmma_fence(); /* the writes of P and of the rescaled acc come before the products read them */
 #pragma unroll
   for (int kk = 0; kk < Bc / MmaK; kk++)
