@@ -3,10 +3,10 @@
  * The forward is stage 06's with S = Q K^T and O += P V on WMMA. The backward never stores
  * P: it recomputes P_ij = exp(S_ij - LSE_i) tile by tile from Q, K and LSE. Three kernels:
  *   compute_delta_kernel         D_i = rowsum(dO_i * O_i)   (= rowsum(dP_i * P_i))
- *   flash_backward_dkdv_kernel   two threads per key j, walking the query tiles:
+ *   flash_backward_dkdv_kernel   a warp per 16 keys j, walking the query tiles:
  *                                dV_j += P_ij dO_i,  dS_ij = P_ij (dO_i . V_j - D_i),
  *                                dK_j += scale dS_ij Q_i      (dK, dV in registers)
- *   flash_backward_dq_kernel     two threads per query i, walking the key tiles like the
+ *   flash_backward_dq_kernel     a warp per 16 queries i, walking the key tiles like the
  *                                forward: dQ_i += scale dS_ij K_j  (dQ in registers)
  * A warp multiplies its rows on tensor cores (fp16 or bf16 in, fp32 accumulation). WMMA
  * does not say which lane holds which element of a fragment, so each thread reads its row of
@@ -46,12 +46,12 @@ __host__ __device__ constexpr int padded(int cols) {
   return cols + Skew / (int)sizeof(E);
 }
 
-/* Shared memory of the forward: the K, V and Q tiles, and per query row a staging row (fp32:
- * S, then O's columns) and a P row; the dQ kernel's adds a dO tile (dS takes P's place). */
+/* Shared memory of a block walking tiles of bc keys: the K and V tiles, `rows` rows of queries
+ * (Q, or Q and dO), and per query row a staging row (fp32: S, then O's columns) and a P row. */
 template <typename T>
-static constexpr size_t tile_bytes(int d, bool dq = false) {
-  return sizeof(T) * (2 * Bc + (1 + dq) * Br) * (size_t)padded<T>(d) +
-         Br * (sizeof(float) * padded<float>(Bc) + sizeof(T) * padded<T>(Bc));
+static constexpr size_t tile_bytes(int d, int bc, int rows) {
+  return sizeof(T) * (2 * (size_t)bc + rows) * padded<T>(d) +
+         Br * (sizeof(float) * padded<float>(bc) + sizeof(T) * padded<T>(bc));
 }
 
 /* Rows [0, rows) of a [*, D] tensor into a tile of ROWS padded rows; the rows past `rows` are
@@ -233,9 +233,9 @@ static void launch(const attn_problem *p, const attn_buffers *t) {
     return launch<D, __nv_bfloat16>(p, t);
   int heads = p->batch * p->heads;
   dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
-  attn_require_shared_memory((const void *)flash_forward_kernel<D, T>, tile_bytes<T>(D),
+  attn_require_shared_memory((const void *)flash_forward_kernel<D, T>, tile_bytes<T>(D, Bc, Br),
                              "flash_forward_kernel");
-  flash_forward_kernel<D><<<grid, threads_for(Br), tile_bytes<T>(D), attn_stream()>>>(
+  flash_forward_kernel<D><<<grid, threads_for(Br), tile_bytes<T>(D, Bc, Br), attn_stream()>>>(
       (const T *)t->q, (const T *)t->k, (const T *)t->v, (T *)t->o, t->lse, p->seq_q, p->seq_kv,
       heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_forward_kernel");
@@ -266,15 +266,15 @@ static size_t backward_workspace(const attn_problem *p) {
   return sizeof(float) * attn_lse_elems(p);
 }
 
-/* Shared memory of the dK/dV kernel: K and V (bc x d), Q and dO tiles (Br_bwd x d), per key a
- * staging row (fp32: S^T, then dP^T), a P^T and a dS^T row, LSE and D of the tile's rows. */
+/* Shared memory of the dK/dV kernel: K and V (bc x d), Q and dO tiles (Br_bwd x d), LSE and D
+ * of their rows, and per key a staging row (fp32: S^T, then dP^T), a P^T and a dS^T row. */
 template <typename T>
 static constexpr size_t dkdv_bytes(int d, int bc) {
   return sizeof(T) * 2 * ((size_t)bc + Br_bwd) * padded<T>(d) +
          bc * (sizeof(float) * padded<float>(Br_bwd) + 2 * sizeof(T) * padded<T>(Br_bwd)) +
          sizeof(float) * 2 * Br_bwd;
 }
-static_assert(tile_bytes<__half>(128, true) <= 99 * 1024 &&
+static_assert(tile_bytes<__half>(128, Bc, 2 * Br) <= 99 * 1024 &&
                   dkdv_bytes<__half>(128, Bc_bwd_small) <= 99 * 1024,
               "every kernel has a configuration within the 99 KiB of sm_86 and sm_89");
 
@@ -290,9 +290,9 @@ __global__ void compute_delta_kernel(const T *o, const T *d_o, float *delta, lon
 }
 
 /* A warp per 16 keys j of the block's BC keys (Bc_bwd, or Bc_bwd_small where shared memory
- * is smaller), LANES threads a key, the warp keeping their dK and dV in fragments. Per query
+ * is smaller), keeping their dK and dV in accumulators while it walks the query tiles: per
  * tile it stages S^T = K Q^T and dP^T = V dO^T (Q and dO read col_major, as Q^T and dO^T); its
- * threads make P^T and dS^T, the matrix_a of dV += P^T dO and dK += dS^T Q. */
+ * threads, LANES a key, make P^T and dS^T, the matrix_a of dV += P^T dO and dK += dS^T Q. */
 template <int D, int BC, typename T>
 __global__ void __launch_bounds__(threads_for(BC))
     flash_backward_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ k,
@@ -449,7 +449,7 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
     launch_dkdv<D, Bc_bwd, T>(p, t, delta);
   else
     launch_dkdv<D, Bc_bwd_small, T>(p, t, delta);
-  size_t dq_bytes = tile_bytes<T>(D, true);
+  size_t dq_bytes = tile_bytes<T>(D, Bc, 2 * Br);
   attn_require_shared_memory((const void *)flash_backward_dq_kernel<D, T>, dq_bytes,
                              "flash_backward_dq_kernel");
   unsigned row_blocks = (unsigned)((p->seq_q + Br - 1) / Br * heads);

@@ -364,7 +364,7 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
                          T *__restrict__ o, float *__restrict__ lse, int nq, int nkv, int heads,
                          float scale, int causal) {
   constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
-  extern __shared__ __align__(128) float4 smem[]; /* cp.async and ldmatrix move 16 bytes */
+  extern __shared__ __align__(32) float4 smem[]; /* cp.async and ldmatrix move 16 bytes */
   T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + 2 * BC * padded<T>(D);
   T *Qs = Vs + 2 * BC * padded<T>(D); /* K and V double-buffered, then the Q tile */
   /* Causal blocks have unequal work: row block r runs about r + 1 tiles' worth. Ordered by
@@ -494,8 +494,8 @@ static size_t backward_workspace(const attn_problem *p) {
   return sizeof(float) * attn_lse_elems(p);
 }
 
-/* Shared memory of the dK/dV kernel: K and V (bc x d), double-buffered Q and dO tiles and
- * LSE and D of their rows. P^T and dS^T never leave the registers. */
+/* Shared memory of the dK/dV kernel: K and V (bc x d), Q and dO tiles (Br_bwd x d), LSE and D
+ * of their rows (those four double-buffered). P^T and dS^T never leave the registers. */
 template <typename T>
 static constexpr size_t dkdv_bytes(int d, int bc) {
   return sizeof(T) * (2 * (size_t)bc + 4 * rows_bwd(bc)) * padded<T>(d) +
@@ -548,9 +548,9 @@ __device__ void probabilities_and_ds(const float *s, const float *dp, float scal
 }
 
 /* A warp per 16 keys j of the block's BC keys (Bc_bwd, or Bc_bwd_small where shared memory
- * is smaller), keeping their dK, dV in accumulators while it walks the query tiles 16 queries
- * at a time: S^T = K Q^T and dP^T = V dO^T (keys as rows), P^T and dS^T made in registers,
- * then dV += P^T dO and dK += dS^T Q with those 16 queries as the k-step. */
+ * is smaller), keeping their dK and dV in accumulators while it walks the query tiles: per
+ * 16 queries, S^T = K Q^T and dP^T = V dO^T (keys as rows) make P^T and dS^T in registers,
+ * the A operands of dV += P^T dO and dK += dS^T Q with those 16 queries as the k-step. */
 template <int D, int BC, typename T>
 __global__ void __launch_bounds__(threads_for(BC), dkdv_blocks_per_sm(D))
     flash_backward_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ k,
@@ -559,7 +559,7 @@ __global__ void __launch_bounds__(threads_for(BC), dkdv_blocks_per_sm(D))
                                T *__restrict__ dk, T *__restrict__ dv, int nq, int nkv, int heads,
                                float scale, int causal) {
   constexpr int ld = padded<T>(D), Br_bwd = rows_bwd(BC);
-  extern __shared__ __align__(128) float4 smem_bwd[];
+  extern __shared__ __align__(32) float4 smem_bwd[];
   T *Ks = reinterpret_cast<T *>(smem_bwd), *Vs = Ks + BC * ld;
   T *Qs = Vs + BC * ld, *dOs = Qs + 2 * Br_bwd * ld; /* Q and dO double-buffered */
   float *lse_s = reinterpret_cast<float *>(dOs + 2 * Br_bwd * ld), *delta_s = lse_s + 2 * Br_bwd;
@@ -585,7 +585,7 @@ __global__ void __launch_bounds__(threads_for(BC), dkdv_blocks_per_sm(D))
   __pipeline_commit();
   for (int i0 = i_begin, buf = 0; i0 < nq; i0 += Br_bwd, buf ^= 1) {
     int next = i0 + Br_bwd, rows = min(Br_bwd, nq - next), nb = (buf ^ 1) * Br_bwd;
-    if (next < nq) {
+    if (next < nq) { /* the next tile's copy overlaps this tile's products */
       load_kv_tile<D, Br_bwd>(Q + (long)next * D, dO + (long)next * D, rows, Qs + nb * ld,
                               dOs + nb * ld);
       load_row_stats(lse + bh * nq + next, delta + bh * nq + next, rows, Br_bwd, lse_s + nb,
@@ -656,7 +656,7 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
                              T *__restrict__ dq, int nq, int nkv, int heads, float scale,
                              int causal) {
   constexpr int ld = padded<T>(D), Br = Br_dq, Bc = Bc_dq; /* this kernel's own tiles */
-  extern __shared__ __align__(128) float4 smem[];
+  extern __shared__ __align__(32) float4 smem[];
   T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + 2 * Bc * ld, *Qs = Vs + 2 * Bc * ld;
   T *dOs = Qs + Br * ld;
   int row_blocks = (nq + Br - 1) / Br;
