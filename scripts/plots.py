@@ -149,6 +149,53 @@ def ladder(rows, out_dir, prefix, only):
     return gp
 
 
+# Stage 10's A/B table: each technique added to the one before, beside SDPA, from the
+# newest command of 10_hopper_wgmma-variants.tsv that measured every step.
+HOPPER_STEPS = [("09_swizzle_pipeline", "09 (mma.sync, cp.async)"),
+                ("10_hopper_wgmma:tma_alone", "TMA alone"),
+                ("10_hopper_wgmma:tma_wgmma", "+ wgmma"),
+                ("10_hopper_wgmma:warp_specialized", "+ warp specialisation"),
+                ("10_hopper_wgmma:overlap", "+ overlap (stage 10)"),
+                ("sdpa_flash", "SDPA flash (FlashAttention-2)"), ("sdpa_cudnn", "SDPA cuDNN")]
+
+
+def hopper_steps(result_dir, out_dir):
+    path = os.path.join(result_dir, "10_hopper_wgmma-variants.tsv")
+    if not os.path.exists(path):
+        return None
+    rows = [r for r in attn.read_rows(path) if r["direction"] == "fwd" and r["dtype"] == "fp16"]
+    runs = [r["run"] for r in rows if r["stage"] == HOPPER_STEPS[1][0]]
+    if not runs:
+        return None
+    rows = [r for r in rows if r["run"] == runs[-1]]
+    points = sorted({(int(r["d"]), int(r["Nq"]), r["causal"]) for r in rows})
+    value = {(r["stage"], int(r["d"]), int(r["Nq"]), r["causal"]): float(r["tflops"])
+             for r in rows}
+    out = os.path.join(out_dir, "10_hopper_wgmma_steps.png")
+    data_dir = fresh_data_dir(out)
+    dat = os.path.join(data_dir, "steps.dat")
+    with open(dat, "w") as f:
+        for d, n, causal in points:
+            label = f"d={d} N={n // 1024}k{' causal' if causal == '1' else ''}"
+            f.write(f"\"{label}\"\t" + "\t".join(
+                str(value.get((stage, d, n, causal), "NaN")) for stage, _ in HOPPER_STEPS) + "\n")
+    rel = os.path.relpath(dat, out_dir)
+    plotted = [f"'{rel}' using {k + 2}:xtic(1) title '{name}' lc rgb '{COLORS[k]}'"
+               for k, (_, name) in enumerate(HOPPER_STEPS)]
+    gp = os.path.splitext(out)[0] + ".gp"
+    with open(gp, "w") as f:
+        f.write("set terminal pngcairo size 1200,640 font 'sans,11'\n")
+        f.write(f"set output '{os.path.basename(out)}'\n")
+        f.write("set title \"Stage 10, what each Hopper technique bought: forward TFLOP/s, fp16 "
+                f"(H = 2048/d, B = 16384/N), command {runs[-1]}\\n{{/*0.8 {stamp(rows)}}}\"\n")
+        f.write("set ylabel 'TFLOP/s'\nset grid ytics\nset yrange [0:*]\n")
+        f.write("set style data histograms\nset style histogram clustered gap 1\n")
+        f.write("set style fill solid 0.8 noborder\nset boxwidth 0.9\n")
+        f.write("set key outside right top noenhanced\nset xtics noenhanced rotate by -25\n")
+        f.write("plot " + ", \\\n     ".join(plotted) + "\n")
+    return gp
+
+
 def draw(result_dirs, out_dir, stage=None, cpu_plots=True):
     """Every plot, or with `stage` the per-stage form: that stage beside its predecessor."""
     os.makedirs(out_dir, exist_ok=True)
@@ -219,6 +266,8 @@ def draw(result_dirs, out_dir, stage=None, cpu_plots=True):
                 "N (sequence length)", "device bytes (inputs, outputs, workspace)",
                 [(s, [(int(r["Nq"]), int(r["device_bytes"])) for r in g])
                  for s, g in sorted(groups.items())], stamp(sel)))
+    if not only:
+        scripts += [hopper_steps(d, out_dir) for d in result_dirs]
     scripts = [s for s in scripts if s]
     if not shutil.which("gnuplot"):
         print(f"plots: gnuplot not found; data and scripts written to {out_dir}. Install it "
