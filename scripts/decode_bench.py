@@ -70,7 +70,7 @@ O_CAP_FP16 = 4e-3  # common/check.c: the fp16 hard cap on O's error, per unit of
 # FlashAttention's forward over (sequence, K/V head) alone, which is what the split buys.
 SWEEP_KEYS = [64, 128, 256, 512, 1024, 2048, 4096]
 SWEEP_SHAPES = [(1, 1024), (1, 4096), (1, 8192), (1, 32768), (1, 131072), (8, 2048), (8, 16384),
-                (32, 16384)]
+                (32, 1024), (32, 2048), (32, 16384)]
 EXTRA = ["Hkv", "cache_len", "kv_bytes", "kv_gbps", "copy_gbps", "copy_fraction", "timer",
          "chunk_keys", "best_sdpa"]
 
