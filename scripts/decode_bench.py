@@ -52,8 +52,8 @@ import importlib.util
 import os
 import subprocess
 import sys
-import tempfile
 import statistics
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -404,28 +404,28 @@ def main():
             call, ws, o = stage_call(torch, library, lib, q, k, v, scale)
             contenders = [(STAGE, call), (READ, read_kv)]
             for name in a.backends:
-                def fwd(backend=sdpa_backends(torch)[name]):
+                def fwd(backend=sdpa_backends(torch)[name]):  # this backend, not the loop's last
                     with sdpa_kernel(backend):
                         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
                 contenders.append((f"sdpa_{name}", fwd))
             times = {name: [] for name, _ in contenders}
-            peaks = {}
+            peaks, refused = {}, set()  # a backend that refuses the shape is not asked again
             for _ in range(ROUNDS):
                 for name, fn in contenders:
-                    if name in peaks and peaks[name] is None:
-                        continue  # refused in an earlier round
+                    if name in refused:
+                        continue
                     try:
                         ms_c, _, peaks[name] = pybench.measure(torch, fn, flush, cycles)
                         times[name].append(ms_c)
                     except (RuntimeError, torch.cuda.OutOfMemoryError) as e:
                         print(f"    {name}: not run: {str(e).splitlines()[0][:120]}",
                               file=sys.stderr)
-                        peaks[name] = None
+                        refused.add(name)
                         torch.cuda.empty_cache()
             call()
             err, tol, verdict = check_b0(torch, o, ref, max_v)
             for name, fn in contenders:
-                if not times[name] or peaks[name] is None:
+                if name in refused:
                     continue
                 ms_c = statistics.median(times[name])
                 spread = f"(rounds {min(times[name]):.4f}-{max(times[name]):.4f})"
