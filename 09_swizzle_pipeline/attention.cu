@@ -586,8 +586,9 @@ static_assert(rows_bwd(Bc_bwd_small) % MmaK == 0 && Bc_dq % MmaK == 0, "whole k-
 __host__ __device__ constexpr int dkdv_blocks_per_sm(int d) { return d <= 64 ? 2 : 1; }
 /* Blocks of the dQ kernel that must fit an SM at once. Its Q and dO operands stay in
  * registers, where the compiler would take 132 registers at d = 64 and 178 at d = 128 (3 and
- * 2 blocks); capped, 4 blocks at d <= 64 (128 registers, no spill) and 3 at d = 128 (168, an
- * 8-byte spill). -DATTN_DQ_BLOCKS=N sets N at every d, for measuring the choice. */
+ * 2 blocks); capped, 4 blocks at d <= 64 (128 registers, an 8-byte spill) and 3 at d = 128
+ * (168, a 108-byte spill; 08's 8 and none). -DATTN_DQ_BLOCKS=N sets N at every d, for
+ * measuring the choice. */
 #ifndef ATTN_DQ_BLOCKS
 #define ATTN_DQ_BLOCKS 0
 #endif
