@@ -27,6 +27,9 @@ before each repeat: compare_pytorch.timed_median), all in one process on the sam
     contender timed in turn, ROUNDS times over, each figure the median of its rounds: the
     first contenders timed after a large shape ran slower than the same calls timed again
     (below, at the settling pass), so no figure depends on its contender's place in the order.
+With --flush clean, the flush buffer is written and then read back before each repeat, so
+that the timed call finds only clean lines in the L2 and writes nothing back: how much of a
+call the convention's flush costs (the copy bandwidth is still measured the convention's way).
 Then, with --program-batches, the stage program's own --bench run of the same shapes for
 those batch sizes (it generates its inputs on the host: seconds at L = 128k), so that the
 library's timing and the program's can be compared.
@@ -124,6 +127,22 @@ class Writer:
         self.f.write("\t".join(cells) + "\n")
         self.f.flush()
         return dict(zip(HEADER.rstrip("\n").split("\t") + EXTRA, cells))
+
+
+def clean_flush(torch, nbytes, pybench):
+    """--flush clean: the convention's flush (a buffer twice the L2's size, written) leaves
+    the L2 full of dirty lines, and whatever runs next pays for writing back those it evicts
+    (up to the L2's size, 50 MB on an H100: about 17 us at 3 TB/s). Reading the buffer after
+    writing it evicts them before the timed region and leaves clean lines instead."""
+
+    class Clean(pybench.Flush):
+        def zero_(self):
+            self.buf.zero_()
+            self.buf.view(torch.int64).sum()  # read back: the dirty lines go now, not later
+            if self.cycles:
+                torch.cuda._sleep(self.cycles)
+
+    return Clean(torch, nbytes)
 
 
 def copy_bandwidth(torch, pybench, flush, cycles):
@@ -235,6 +254,30 @@ def plot(rows, out_dir):
                            check=True)
 
 
+def plot_flush(rows, out_dir):
+    """decode_flush.png from the rows of one command that timed the shapes twice: under the
+    convention's flush and with --flush clean (that pass's `run` ends in -clean). B = 1: stage
+    11, cuDNN and the read-only sum, each under both flushes."""
+    plots = load_module("plots", os.path.join(HERE, "plots.py"))
+    rows = [r for r in rows if int(r["B"]) == 1 and r["chunk_keys"] == "rule"]
+    series = []
+    for name, label in ((STAGE, "11"), ("sdpa_cudnn", "cuDNN"), (READ, "read only")):
+        for clean in (False, True):
+            sel = [r for r in rows if r["stage"] == name and
+                   r.get("run", "").endswith("-clean") == clean]
+            series.append((f"{label}, {'clean L2' if clean else 'convention (dirty L2)'}",
+                           [(int(r["cache_len"]), float(r["copy_fraction"])) for r in sel]))
+    os.makedirs(out_dir, exist_ok=True)
+    gp = plots.gnuplot_file(
+        os.path.join(out_dir, "decode_flush.png"),
+        "Decode at B = 1: K/V bytes a second / copy bandwidth, by how the L2 was flushed",
+        "cache length L (keys)", "fraction of the measured copy bandwidth", series,
+        plots.stamp(rows), logy=False, lines=[("target at B = 1, L >= 32k", 0.8)], pairs=True)
+    import shutil
+    if gp and shutil.which("gnuplot"):
+        subprocess.run(["gnuplot", os.path.basename(gp)], cwd=os.path.dirname(gp), check=True)
+
+
 def summary(rows, copy, path):
     """decode_summary.md: per shape, 11 and every backend; the verdict on the targets."""
     lines = [f"Copy bandwidth measured in this run: {copy:.0f} GB/s (read plus written).", "",
@@ -337,9 +380,18 @@ def main():
                     "at SWEEP_SHAPES)")
     ap.add_argument("--budget", type=float, default=0,
                     help="seconds after which no new shape starts (0: no limit)")
+    ap.add_argument("--flush", choices=("write", "clean"), default="write",
+                    help="before each timed repeat: 'write' the flush buffer (the convention), "
+                    "or 'clean': write it, then read it, so that the L2 holds no dirty lines "
+                    "whose write-back the timed call would pay (the copy bandwidth is always "
+                    "measured the convention's way)")
     a = ap.parse_args()
     if a.redraw:
-        plot(attn.read_rows(a.redraw), os.path.join(a.out, "plots"))
+        rows = attn.read_rows(a.redraw)
+        if any(r.get("run", "").endswith("-clean") for r in rows):
+            plot_flush(rows, os.path.join(a.out, "plots"))
+        else:
+            plot(rows, os.path.join(a.out, "plots"))
         return
     if not a.lib:
         ap.error("--lib is required")
@@ -367,11 +419,14 @@ def main():
     os.makedirs(rows_dir, exist_ok=True)
     tsv = os.path.join(rows_dir, "decode.tsv")
     flush = pybench.Flush(torch, 2 * getattr(prop, "L2_cache_size", 64 << 20))
+    copy_flush = flush
+    if a.flush == "clean":
+        flush = clean_flush(torch, flush.buf.numel(), pybench)
     cycles = pybench.spin_cycles_per_ms(torch)
     lib = library.StageLibrary(lib_path)
     scale = D ** -0.5
     t0 = time.time()
-    copy_before = copy_bandwidth(torch, pybench, flush, cycles)
+    copy_before = copy_bandwidth(torch, pybench, copy_flush, cycles)
     print(f"decode_bench: {prop.name}, copy bandwidth {copy_before:.0f} GB/s", flush=True)
 
     pending = []  # (writer args) until the copy bandwidth after the shapes is known
@@ -466,7 +521,7 @@ def main():
         else:
             continue
         break
-    copy_after = copy_bandwidth(torch, pybench, flush, cycles)
+    copy_after = copy_bandwidth(torch, pybench, copy_flush, cycles)
     copy = max(copy_before, copy_after)
     print(f"decode_bench: copy bandwidth {copy_before:.0f} GB/s before, {copy_after:.0f} after; "
           f"the fractions use {copy:.0f}", flush=True)

@@ -46,8 +46,10 @@ def with_device(name, r, devices):
 
 
 def gnuplot_file(path, title, xlabel, ylabel, series, stamp_text, logx=True, logy=True,
-                 lines=()):
-    """series: [(title, [(x, y), ...])]; lines: [(title, y)] horizontal reference lines."""
+                 lines=(), pairs=False):
+    """series: [(title, [(x, y), ...])]; lines: [(title, y)] horizontal reference lines.
+    pairs: series 2k and 2k + 1 are one contender measured two ways, drawn in one colour,
+    the second dashed."""
     data_dir = fresh_data_dir(path)
     plots = []
     for k, (name, pts) in enumerate(series):
@@ -58,7 +60,9 @@ def gnuplot_file(path, title, xlabel, ylabel, series, stamp_text, logx=True, log
             for x, y in sorted(pts):
                 f.write(f"{x}\t{y}\n")
         rel = os.path.relpath(dat, os.path.dirname(path))
-        plots.append(f"'{rel}' using 1:2 with linespoints lw 2 pt 7 lc rgb '{COLORS[k % len(COLORS)]}' "
+        colour = COLORS[(k // 2 if pairs else k) % len(COLORS)]
+        dash = " dt 2" if pairs and k % 2 else ""
+        plots.append(f"'{rel}' using 1:2 with linespoints lw 2 pt 7{dash} lc rgb '{colour}' "
                      f"title '{name}' noenhanced")
     for k, (name, y) in enumerate(lines):
         plots.append(f"{y} with lines dt 2 lw 2 lc rgb '{COLORS[(k + 5) % len(COLORS)]}' title '{name}' noenhanced")
