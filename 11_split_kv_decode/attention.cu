@@ -281,22 +281,23 @@ __device__ float sum_over_quad(float x) {
  * a tile that crosses the causal diagonal or the end of the keys is masked: an element past
  * its row's last visible key (`masked` says which tile; row h sees the tile's first
  * row_cols[h]) becomes -inf. m_blk[h] is row h's max over the tile, over the row's quad. */
-template <int D, int BC, typename T>
+template <int D, int BC, int FRAGS = row_frags(D), typename T>
 __device__ void compute_qk_scores_and_max(const T *Q, const unsigned (*q_frag)[4], const T *K,
                                           bool masked, const int *row_cols,
                                           float (*s)[BC / MmaN][4], float *m_blk) {
-  constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
+  constexpr int RowFrags = FRAGS, LaneRows = 2 * RowFrags;
 #pragma unroll
   for (int kk = 0; kk < D / MmaK; kk++) {
     unsigned a[RowFrags][4];
-    if (!q_in_registers(D))
+    if (RowFrags > 1) /* Q's operands are in registers where the warp has one fragment */
 #pragma unroll
       for (int f = 0; f < RowFrags; f++) ldmatrix_x4(a[f], a_operand<D>(Q, f * MmaM, kk * MmaK));
-    mma_tile<D, false, BC, RowFrags>(s, q_in_registers(D) ? q_frag + kk : a, K, 0, kk * MmaK);
+    mma_tile<D, false, BC, RowFrags>(s, RowFrags == 1 ? q_frag + kk : a, K, 0, kk * MmaK);
   }
-  /* The mask is a compare and a select per element. At d <= 64 a branch skips them on the
-   * tiles that need no mask; at d = 128 they stay in the loop of the max, predicated on every
-   * tile, since the branch there would cost 60 bytes of spills. */
+  /* The mask is a compare and a select per element. With one fragment (d <= 64, or a decode
+   * group of up to 16 rows) a branch skips them on the tiles that need no mask; with two
+   * (09's d = 128) they stay in the loop of the max, predicated on every tile, since the
+   * branch there would cost 60 bytes of spills. */
   int t = threadIdx.x % Quad;
   if (RowFrags == 1 && masked)
 #pragma unroll
@@ -322,10 +323,10 @@ __device__ void compute_qk_scores_and_max(const T *Q, const unsigned (*q_frag)[4
 
 /* m' = max(m, m_blk), in units of the raw S; what was summed under 2^(-m scale log2 e) (l
  * and the O accumulators) is rescaled by 2^((m - m') scale log2 e), row by row. */
-template <int D>
+template <int D, int FRAGS = row_frags(D)>
 __device__ void merge_block_stats(const float *m_blk, float scale_log2, float *m, float *l,
                                   float (*acc)[D / MmaN][4]) {
-  constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
+  constexpr int RowFrags = FRAGS, LaneRows = 2 * RowFrags;
   float correction[LaneRows];
 #pragma unroll
   for (int h = 0; h < LaneRows; h++) {
@@ -350,11 +351,11 @@ __device__ void merge_block_stats(const float *m_blk, float scale_log2, float *m
  * as FlashAttention does: m c is rounded, and for the row's largest element s c - round(m c)
  * is that rounding error, half an ulp of m c, which is no longer small once |m c| passes
  * 2^16 or so (4096 at logits of 1e11, bf16 inputs near 1e5): 2^4096 is inf. */
-template <int D, int BC, typename T>
+template <int D, int BC, int FRAGS = row_frags(D), typename T>
 __device__ void compute_block_softmax_and_weighted_v(const float (*s)[BC / MmaN][4], const T *V,
                                                      float scale_log2, const float *m, float *l,
                                                      float (*acc)[D / MmaN][4]) {
-  constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
+  constexpr int RowFrags = FRAGS, LaneRows = 2 * RowFrags;
   /* A row that has seen no key (m = -inf) has only -inf logits: 2^(-inf - 0) = 0. */
   float m_use[LaneRows];
 #pragma unroll
@@ -524,17 +525,24 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
  *     chunks of chunk_keys, and the chunks of every head run at once;
  *   - a block takes every query row that reads its K/V head: the G = H / Hkv query heads of
  *     the group, Nq rows each, G Nq rows in all (contiguous in Q: heads G kvh .. G kvh + G - 1
- *     of the sequence), padded to a warp's 16 row_frags(d) rows. So each element of K and V
- *     crosses from memory once, whatever G is;
+ *     of the sequence), padded to one row fragment (16 rows) where they fit it, else to 09's
+ *     two (32 rows, d = 128 only). So each element of K and V crosses from memory once,
+ *     whatever G is;
  *   - the block's warps share each tile's keys, 16 each (09's share its rows; here there are
  *     too few rows to share), each keeping its own running max, sum and O, which 09's
- *     helpers update unchanged; at the end they are merged into the chunk's partial O (fp32,
- *     normalised) and LSE, written to the workspace;
+ *     helpers update, told the block's row fragments; at the end they are merged into the
+ *     chunk's partial O (fp32, normalised) and LSE, written to the workspace;
  *   - merge_chunks_kernel combines a row's chunks by their LSE, stage 02's merge of partial
  *     softmaxes, in a fixed order: no atomics, every run gives the same bits.
  * The rule: a problem takes this path when one block's rows hold its group's G Nq query rows
  * (G Nq <= 16 row_frags(d): 16 at d <= 64, 32 at d = 128), so that K and V are read once;
  * any other problem takes 09's path above, which has GQA and cache lengths too. */
+/* The most rows a decode block takes. A group of up to 16 rows takes one fragment at every d:
+ * at d = 128 one instead of two halves the products of the decode benchmark's 4 query rows
+ * and takes the kernel from 211 registers to 162. Measured on an H100 (fp16, the benchmark's
+ * B = 1 and 32 at 1k, 8k, 32k and 128k, each build timed twice in turn, one command): B = 1
+ * 9% faster at 1k, 5% at 8k, 2.5% at 32k, and B = 32 3.4% faster at 1k and 0.3-1% at 8k to
+ * 128k; B = 1 at 128k moved less than the spread of its repeats. */
 __host__ __device__ constexpr int decode_rows(int d) { return row_frags(d) * MmaM; }
 /* Warps per decode block: 4, as a d = 128 block of 09 (two blocks an SM at 255 registers a
  * thread), each taking 16 keys of a tile, one k-step of P V; so a tile has 64 keys, 09's Bc,
@@ -622,11 +630,11 @@ static_assert(merge_bytes(32) <= decode_bytes<__half>(32, 2) &&
               "the warps' merge fits in the shared memory of the tiles it replaces");
 static_assert(decode_bytes<__half>(128, 2) <= 99 * 1024,
               "a decode block fits the 99 KiB of sm_86 and sm_89 (72 KiB at d = 128, 2 stages)");
-template <int D, typename T>
+template <int D, int FRAGS, typename T>
 __device__ void merge_warps(const float (*acc)[D / MmaN][4], const float *m, float *l,
                             float scale_log2, float *work, float *part_o, float *part_lse, T *o,
                             float *lse, int rows) {
-  constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags, Rows = decode_rows(D);
+  constexpr int RowFrags = FRAGS, LaneRows = 2 * RowFrags, Rows = FRAGS * MmaM;
   float *o_s = work, *m_s = o_s + DecodeWarps * Rows * D, *l_s = m_s + DecodeWarps * Rows;
   int w = threadIdx.x / 32, g = threadIdx.x % 32 / Quad, t = threadIdx.x % Quad;
 #pragma unroll
@@ -688,14 +696,14 @@ __device__ void wait_for_decode() {
  * head), so a head's chunks are adjacent. 09's forward loop, K and V in a ring of STAGES
  * tiles and waited for separately; warp w computes the tile's keys [16 w, 16 w + 16) for all
  * rows. */
-template <int D, int STAGES, typename T>
+template <int D, int FRAGS, int STAGES, typename T>
 __global__ void __launch_bounds__(DecodeThreads, 2)
     flash_decode_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                         const int *__restrict__ cache_lens, float *__restrict__ part_o,
                         float *__restrict__ part_lse, T *__restrict__ o, float *__restrict__ lse,
                         int nq, int nkv, int heads_kv, int group, int chunk_keys, int chunks,
                         float scale, int causal) {
-  constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags, Rows = decode_rows(D);
+  constexpr int RowFrags = FRAGS, LaneRows = 2 * RowFrags, Rows = FRAGS * MmaM;
   constexpr int BC = DecodeKeys, ld = padded<T>(D);
   extern __shared__ __align__(256) float4 smem[];
   T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + STAGES * BC * ld, *Qs = Vs + STAGES * BC * ld;
@@ -708,7 +716,7 @@ __global__ void __launch_bounds__(DecodeThreads, 2)
   const T *K = k + pair * nkv * D, *V = v + pair * nkv * D;
   float acc[RowFrags][D / MmaN][4] = {};
   float m[LaneRows], l[LaneRows], m_blk[LaneRows];
-  unsigned q_frag[q_in_registers(D) ? D / MmaK : 1][4];
+  unsigned q_frag[RowFrags == 1 ? D / MmaK : 1][4];
   /* Row g + 8 h of the block is query i = (g + 8 h) % Nq of head (g + 8 h) / Nq of the group:
    * it sees keys j < row_end[h] = len, or, causal, min(len, i + len - Nq + 1) (maybe <= 0). */
   int row_end[LaneRows];
@@ -763,27 +771,28 @@ __global__ void __launch_bounds__(DecodeThreads, 2)
     }
     const T *Kt = Ks + (buf * BC + w * MmaK) * ld, *Vt = Vs + (buf * BC + w * MmaK) * ld;
     float s[RowFrags][MmaK / MmaN][4] = {};
-    if (q_in_registers(D) && j0 == j_begin) /* Q has landed: its operands, once */
+    if (RowFrags == 1 && j0 == j_begin) /* Q has landed: its operands, once */
 #pragma unroll
       for (int kk = 0; kk < D / MmaK; kk++) ldmatrix_x4(q_frag[kk], a_operand<D>(Qs, 0, kk * MmaK));
-    compute_qk_scores_and_max<D, MmaK>(Qs, q_frag, Kt, masked, row_cols, s, m_blk);
-    merge_block_stats<D>(m_blk, scale_log2, m, l, acc);
+    compute_qk_scores_and_max<D, MmaK, FRAGS>(Qs, q_frag, Kt, masked, row_cols, s, m_blk);
+    merge_block_stats<D, FRAGS>(m_blk, scale_log2, m, l, acc);
     if (next < j_end)
       load_tile<D, BC, DecodeThreads>(V + (long)next * D, min(BC, j_end - next), Vn);
     __pipeline_commit();
     __pipeline_wait_prior(InFlight); /* V(t) has landed; later tiles may still be in flight */
     __syncthreads();                 /* RAW: V(t) is in shared memory; WAR: every warp is done with
                                       * S = Q K(t)^T, so K(t + STAGES) may overwrite its buffer */
-    compute_block_softmax_and_weighted_v<D, MmaK>(s, Vt, scale_log2, m, l, acc);
+    compute_block_softmax_and_weighted_v<D, MmaK, FRAGS>(s, Vt, scale_log2, m, l, acc);
   }
   __pipeline_wait_prior(0); /* nothing is left in flight: the tiles' memory is reused below */
   __syncthreads();          /* WAR: every warp is done with the last K and V tiles (and Q) */
   /* One chunk a sequence: the block's rows are the output's rows (b H + h) Nq + i, from
    * (b Hkv + K/V head) G Nq on, and no merge follows. */
   long first = (long)blockIdx.x * rows;
-  merge_warps<D>(acc, m, l, scale_log2, reinterpret_cast<float *>(smem),
-                 chunks > 1 ? part_o + first * D : nullptr, chunks > 1 ? part_lse + first : nullptr,
-                 chunks > 1 ? nullptr : o + first * D, lse + first, rows);
+  merge_warps<D, FRAGS>(acc, m, l, scale_log2, reinterpret_cast<float *>(smem),
+                        chunks > 1 ? part_o + first * D : nullptr,
+                        chunks > 1 ? part_lse + first : nullptr,
+                        chunks > 1 ? nullptr : o + first * D, lse + first, rows);
 }
 
 /* Threads of a merge block, one block per output row: D / 4 groups of 4 columns (16 bytes of
@@ -871,7 +880,7 @@ static bool decode_deep() {
 /* The chunk plan on this GPU, after checking that the decode block fits its shared memory. */
 template <int D, int STAGES, typename T>
 static decode_plan plan_decode(const attn_problem *p) {
-  attn_require_shared_memory((const void *)flash_decode_kernel<D, STAGES, T>,
+  attn_require_shared_memory((const void *)flash_decode_kernel<D, row_frags(D), STAGES, T>,
                              decode_bytes<T>(D, STAGES), "flash_decode_kernel");
   int device, sms;
   CUDA_CHECK(cudaGetDevice(&device));
@@ -891,16 +900,22 @@ static size_t decode_workspace(const attn_problem *p, decode_plan plan) {
          p->seq_q * (p->head_dim + 1);
 }
 
-template <int D, int STAGES, typename T>
+template <int D, int STAGES, typename T, int FRAGS = row_frags(D)>
 static void launch_decode(const attn_problem *p, const attn_buffers *t) {
+  /* A group of up to 16 rows takes one row fragment, also where 09 gives a warp two (d = 128):
+   * half the products and registers (see decode_rows). */
+  if (FRAGS > 1 && attn_group(p) * p->seq_q <= MmaM) return launch_decode<D, STAGES, T, 1>(p, t);
   decode_plan plan = plan_decode<D, STAGES, T>(p);
+  if (FRAGS != row_frags(D))
+    attn_require_shared_memory((const void *)flash_decode_kernel<D, FRAGS, STAGES, T>,
+                               decode_bytes<T>(D, STAGES), "flash_decode_kernel");
   long pairs = (long)p->batch * attn_heads_kv(p), blocks = pairs * plan.chunks;
   int rows = attn_group(p) * p->seq_q;
   if (blocks > INT_MAX || (long)attn_lse_elems(p) > INT_MAX)
     attn_fail(EXIT_BAD_USAGE, "too many (sequence, K/V head, chunk) blocks for one grid: %ld",
               blocks);
   float *part_o = (float *)t->workspace, *part_lse = part_o + (size_t)blocks * rows * D;
-  flash_decode_kernel<D, STAGES>
+  flash_decode_kernel<D, FRAGS, STAGES>
       <<<(unsigned)blocks, DecodeThreads, decode_bytes<T>(D, STAGES), attn_stream()>>>(
           (const T *)t->q, (const T *)t->k, (const T *)t->v, t->cache_lens, part_o, part_lse,
           (T *)t->o, t->lse, p->seq_q, p->seq_kv, attn_heads_kv(p), attn_group(p), plan.chunk_keys,
