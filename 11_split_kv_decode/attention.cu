@@ -539,7 +539,7 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
  * any other problem takes 09's path above, which has GQA and cache lengths too. */
 /* The most rows a decode block takes. A group of up to 16 rows takes one fragment at every d:
  * at d = 128 one instead of two halves the products of the decode benchmark's 4 query rows
- * and takes the kernel from 211 registers to 162. Measured on an H100 (fp16, the benchmark's
+ * and takes the kernel from 214 registers to 162. Measured on an H100 (fp16, the benchmark's
  * B = 1 and 32 at 1k, 8k, 32k and 128k, each build timed twice in turn, one command): B = 1
  * 9% faster at 1k, 5% at 8k, 2.5% at 32k, and B = 32 3.4% faster at 1k and 0.3-1% at 8k to
  * 128k; B = 1 at 128k moved less than the spread of its repeats. */
