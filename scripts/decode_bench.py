@@ -24,9 +24,10 @@ before each repeat: compare_pytorch.timed_median), all in one process on the sam
   - the copy bandwidth: a 1 GiB device-to-device copy (bytes read plus written), before and
     after the shapes; the larger of the two is the reference;
   - at each shape, one settling pass of the read-only sum, timed and thrown away, then every
-    contender timed in turn, ROUNDS times over, each figure the median of its rounds: the
-    first contenders timed after a large shape ran slower than the same calls timed again
-    (below, at the settling pass), so no figure depends on its contender's place in the order.
+    contender timed in turn, --rounds times over (3 unless told), each figure the median of
+    its rounds: the first contenders timed after a large shape ran slower than the same calls
+    timed again (below, at the settling pass), so no figure depends on its contender's place
+    in the order.
 With --flush clean, the flush buffer is written and then read back before each repeat, so
 that the timed call finds only clean lines in the L2 and writes nothing back: how much of a
 call the convention's flush costs (the copy bandwidth is still measured the convention's way).
@@ -68,18 +69,21 @@ from compare_pytorch import HEADER  # noqa: E402
 STAGE = "11_split_kv_decode"
 READ = "torch_sum_kv"  # rows of the read-only ceiling: torch.sum of K and of V, timer "read"
 H, HKV, D, NQ = 32, 8, 128, 1
-ROUNDS = 3  # interleaved timings of every contender at a shape (see the settling pass)
+ROUNDS = 3  # interleaved timings of every contender at a shape (see the settling pass);
+# --rounds sets more where contenders are within the spread of each other's rounds
 BATCHES = [1, 8, 32]
 LENGTHS = [1024 << k for k in range(8)]  # 1k .. 128k
 COPY_BYTES = 1 << 30  # the copy's buffers: 20 times an H100's L2, so the copy streams HBM
 O_CAP_FP16 = 4e-3  # common/check.c: the fp16 hard cap on O's error, per unit of max|V|
 # The chunk lengths --chunk-sweep forces, and the shapes it forces them at: short, middle and
-# long caches at B = 1, where the chunk rule matters most, and one at B = 8 and B = 32. Each
-# shape also runs with one chunk per K/V head (chunk = L): no split, the grid of
-# FlashAttention's forward over (sequence, K/V head) alone, which is what the split buys.
-SWEEP_KEYS = [64, 128, 256, 512, 1024, 2048, 4096]
+# long caches at B = 1, where the chunk rule matters most, and some at B = 8 and B = 32; the
+# lengths past 4096 are what one block an SM would take at the long caches (the rule takes
+# two there). Only lengths up to L are forced, and each shape also runs with one chunk per
+# K/V head (chunk = L): no split, the grid of FlashAttention's forward over (sequence, K/V
+# head) alone, which is what the split buys.
+SWEEP_KEYS = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536]
 SWEEP_SHAPES = [(1, 1024), (1, 4096), (1, 8192), (1, 32768), (1, 131072), (8, 2048), (8, 16384),
-                (32, 1024), (32, 2048), (32, 16384)]
+                (8, 32768), (8, 131072), (32, 1024), (32, 2048), (32, 16384)]
 EXTRA = ["Hkv", "cache_len", "kv_bytes", "kv_gbps", "copy_gbps", "copy_fraction", "timer",
          "chunk_keys", "best_sdpa"]
 
@@ -278,9 +282,10 @@ def plot_flush(rows, out_dir):
         subprocess.run(["gnuplot", os.path.basename(gp)], cwd=os.path.dirname(gp), check=True)
 
 
-def summary(rows, copy, path):
+def summary(rows, copy, rounds, path):
     """decode_summary.md: per shape, 11 and every backend; the verdict on the targets."""
-    lines = [f"Copy bandwidth measured in this run: {copy:.0f} GB/s (read plus written).", "",
+    lines = [f"Copy bandwidth measured in this run: {copy:.0f} GB/s (read plus written). "
+             f"Each figure is the median of {rounds} interleaved rounds.", "",
              "| B | L | 11 ms (frac) | program ms | best SDPA | best ms (frac) | 11 / best speed "
              "| flash | cudnn | efficient | math |", "|" + "---|" * 11]
     fast_everywhere, shortfalls, target, ceiling = True, [], [], []
@@ -378,6 +383,9 @@ def main():
     ap.add_argument("--chunk-sweep", action="store_true",
                     help="also time stage 11 with ATTN_DECODE_CHUNK_KEYS forced (SWEEP_KEYS "
                     "at SWEEP_SHAPES)")
+    ap.add_argument("--rounds", type=int, default=ROUNDS,
+                    help="interleaved timings of every contender at each shape; each figure "
+                    "is the median of its rounds")
     ap.add_argument("--budget", type=float, default=0,
                     help="seconds after which no new shape starts (0: no limit)")
     ap.add_argument("--flush", choices=("write", "clean"), default="write",
@@ -444,7 +452,7 @@ def main():
             k = torch.randn(b, HKV, length, D, device="cuda", dtype=torch.float16)
             v = torch.randn(b, HKV, length, D, device="cuda", dtype=torch.float16)
             ref, max_v = reference_b0(torch, q, k, v, scale)
-            # A settling pass, timed and thrown away, then the contenders timed in ROUNDS
+            # A settling pass, timed and thrown away, then the contenders timed in --rounds
             # interleaved rounds, each contender's figure the median of its rounds: after a
             # large shape the first contenders timed at the next one ran 10-12% slower than
             # the same calls timed again (B = 32, L = 1k after B = 8, L = 128k on an H100:
@@ -465,7 +473,7 @@ def main():
                 contenders.append((f"sdpa_{name}", fwd))
             times = {name: [] for name, _ in contenders}
             peaks, refused = {}, set()  # a backend that refuses the shape is not asked again
-            for _ in range(ROUNDS):
+            for _ in range(a.rounds):
                 for name, fn in contenders:
                     if name in refused:
                         continue
@@ -499,7 +507,7 @@ def main():
                                     verdict_b, "sdpa"))
                     print(f"    {name}: {ms_c:.4f} ms {spread}", file=sys.stderr, flush=True)
             if a.chunk_sweep and (b, length) in SWEEP_SHAPES:
-                for keys in sorted(set(SWEEP_KEYS + [length])):
+                for keys in sorted(set([k for k in SWEEP_KEYS if k <= length] + [length])):
                     os.environ["ATTN_DECODE_CHUNK_KEYS"] = str(keys)
                     try:
                         call, ws, o = stage_call(torch, library, lib, q, k, v, scale)
@@ -546,7 +554,7 @@ def main():
     for w in (main_rows, chunk_rows):
         if w:
             w.f.close()
-    summary(rows, copy, os.path.join(a.out, "decode_summary.md"))
+    summary(rows, copy, a.rounds, os.path.join(a.out, "decode_summary.md"))
     plot(rows, os.path.join(a.out, "plots"))
     failed = [r for r in pending if r[8] == "fail"]
     for r in failed:
