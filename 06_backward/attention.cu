@@ -183,8 +183,8 @@ __device__ float sum_over_row_lanes(float x) {
 /* Keys per dK/dV block (row_lanes(d) threads each): 4 warps at d <= 64; with dK and dV
  * (2d floats) in registers, about two such blocks fit an SM. */
 constexpr int Bc_bwd = 128;
-/* Keys per dK/dV block where the device cannot give a block dkdv_bytes(d, Bc_bwd) (144 KiB at
- * d = 128; sm_86 and sm_89 allow 99 KiB): half the keys, half the K^T and V^T tiles. */
+/* Keys per dK/dV block where the device cannot give a block dkdv_bytes(d, Bc_bwd): half the
+ * keys, half the K^T and V^T tiles (144 KiB at d = 128; sm_86 and sm_89 allow 99 KiB). */
 constexpr int Bc_bwd_small = 64;
 /* Query rows per tile of the dK/dV kernel: Q and dO tiles of 16 rows are read as
  * broadcasts by every thread; 16 keeps the block's shared memory (the transposed K and V
@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(row_lanes(D) * BC)
   for (int i0 = i_begin; i0 < nq; i0 += Br_bwd) {
     int rows = min(Br_bwd, nq - i0);
     __syncthreads(); /* WAR: every thread is done with the previous Q/dO tile (and, the first
-                      * time, the K/V transpose is complete before anyone reads it) */
+                      * time, the K and V tiles are complete before anyone reads them) */
     for (int e = threadIdx.x; e < rows * D; e += blockDim.x) {
       Qs[e] = q[(bh * nq + i0) * D + e];
       dOs[e] = d_o[(bh * nq + i0) * D + e];
@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(row_lanes(D) * BC)
   }
 }
 
-/* row_lanes(D) threads per query row, the forward's grid and K/V tiles:
+/* LANES threads per query row, the forward's grid and K/V tiles:
  * dQ_i = scale sum_j dS_ij K_j with dS_ij = P_ij (dO_i . V_j - D_i) recomputed key by key. */
 template <int D>
 __global__ void __launch_bounds__(row_lanes(D) * Br)
