@@ -77,8 +77,8 @@ COPY_BYTES = 1 << 30  # the copy's buffers: 20 times an H100's L2, so the copy s
 O_CAP_FP16 = 4e-3  # common/check.c: the fp16 hard cap on O's error, per unit of max|V|
 # The chunk lengths --chunk-sweep forces, and the shapes it forces them at: short, middle and
 # long caches at B = 1, where the chunk rule matters most, and some at B = 8 and B = 32; the
-# lengths past 4096 are what one block an SM would take at the long caches (the rule takes
-# two there). Only lengths up to L are forced, and each shape also runs with one chunk per
+# lengths past 4096 are the rule's own picks at the long caches (8192 at B = 1, 128k and
+# B = 8, 16k; 16384 and 65536 at B = 8, 32k and 128k). Only lengths up to L are forced, and each shape also runs with one chunk per
 # K/V head (chunk = L): no split, the grid of FlashAttention's forward over (sequence, K/V
 # head) alone, which is what the split buys.
 SWEEP_KEYS = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536]
@@ -394,6 +394,8 @@ def main():
                     "whose write-back the timed call would pay (the copy bandwidth is always "
                     "measured the convention's way)")
     a = ap.parse_args()
+    if a.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {a.rounds}")
     if a.redraw:
         rows = attn.read_rows(a.redraw)
         if any(r.get("run", "").endswith("-clean") for r in rows):
