@@ -27,7 +27,7 @@ The corpus and the order of the batches are the same for every run; a run's seed
 the initial weights (there is no dropout).
 
 Training uses torch.autocast(bfloat16) on CUDA, so the attention inputs are bf16, which the
-stages 07-09 take; on the CPU (a smoke test without a GPU) it runs in float32 with SDPA only.
+stages 07-11 take; on the CPU (a smoke test without a GPU) it runs in float32 with SDPA only.
 """
 import argparse
 import datetime
@@ -430,7 +430,9 @@ def read_tsv(path):
 
 # ---- the plot ----------------------------------------------------------------------------
 
-COLORS = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02"]  # scripts/plots.py
+# scripts/plots.py's palette: one colour a run, for as many runs as the ladder has stages
+COLORS = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d",
+          "#666666", "#1f78b4", "#b2182b", "#000000", "#8c564b", "#17becf", "#bcbd22"]
 
 
 def plot(tsv, png):
