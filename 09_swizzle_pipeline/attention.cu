@@ -226,25 +226,22 @@ __device__ unsigned b_operand_trans(const T *tile, int row, int col) {
 /* acc (FRAGS x 16 rows, N columns) += A B for one k-step of 16: a[f] is the A operand of the
  * rows of fragment f, and each B operand, loaded from shared memory once, feeds every fragment.
  * B is read from the rows of an N x 16 tile (K in S = Q K^T), or with TRANS from a 16 x N tile
- * (V in O = P V), at (row, col) of a tile of D-element rows. Every B operand of the k-step is
- * loaded before the first product, so that no mma.sync waits on the ldmatrix just before it
- * (08 loads each one beside its products; measured in the stage README's "short chains"). */
+ * (V in O = P V), at (row, col) of a tile of D-element rows. */
 template <int D, bool TRANS, int N, int FRAGS = 1, typename T>
 __device__ void mma_tile(float (*acc)[N / MmaN][4], const unsigned (*a)[4], const T *B, int row,
                          int col) {
-  unsigned b[N / 16][4]; /* 16 columns an operand: two accumulators per fragment */
 #pragma unroll
-  for (int n2 = 0; n2 < N / 16; n2++)
+  for (int n2 = 0; n2 < N / 16; n2++) { /* 16 columns: two accumulators per fragment */
+    unsigned b[4];
     if constexpr (TRANS)
-      ldmatrix_x4_trans(b[n2], b_operand_trans<D>(B, row, col + n2 * 16));
+      ldmatrix_x4_trans(b, b_operand_trans<D>(B, row, col + n2 * 16));
     else
-      ldmatrix_x4(b[n2], b_operand<D>(B, row + n2 * 16, col));
-#pragma unroll
-  for (int n2 = 0; n2 < N / 16; n2++)
+      ldmatrix_x4(b, b_operand<D>(B, row + n2 * 16, col));
 #pragma unroll
     for (int f = 0; f < FRAGS; f++)
-      mma_m16n8k16(acc[f][2 * n2], a[f], b[n2], T()),
-          mma_m16n8k16(acc[f][2 * n2 + 1], a[f], b[n2] + 2, T());
+      mma_m16n8k16(acc[f][2 * n2], a[f], b, T()),
+          mma_m16n8k16(acc[f][2 * n2 + 1], a[f], b + 2, T());
+  }
 }
 
 /* The exponentials are exp2 (one instruction): exp(x) = exp2(x log2 e), log x = ln 2 log2 x. */
@@ -310,23 +307,8 @@ __device__ void compute_qk_scores_and_max(const T *Q, const unsigned (*q_frag)[4
           s[0][n][e] = -INFINITY;
 #pragma unroll
   for (int h = 0; h < LaneRows; h++) m_blk[h] = -INFINITY;
-  /* Braced: unbraced, with `#pragma unroll` first in its body, this `if constexpr` made nvcc
-   * 13.0 drop the loop after it at d = 128 (no max.f32 left in the PTX). */
-  if constexpr (RowFrags == 1) { /* the max as a tree: 4 dependent steps, not 16 */
 #pragma unroll
-    for (int h = 0; h < 2; h++) {
-      float x[BC / MmaN];
-#pragma unroll
-      for (int n = 0; n < BC / MmaN; n++) x[n] = fmaxf(s[0][n][2 * h], s[0][n][2 * h + 1]);
-#pragma unroll
-      for (int w = BC / MmaN / 2; w > 0; w /= 2)
-#pragma unroll
-        for (int n = 0; n < w; n++) x[n] = fmaxf(x[n], x[n + w]);
-      m_blk[h] = x[0];
-    }
-  }
-#pragma unroll
-  for (int f = 0; RowFrags > 1 && f < RowFrags; f++) /* at d = 128, masked as it goes */
+  for (int f = 0; f < RowFrags; f++)
 #pragma unroll
     for (int n = 0; n < BC / MmaN; n++)
 #pragma unroll
@@ -382,7 +364,6 @@ __device__ void compute_block_softmax_and_weighted_v(const float (*s)[BC / MmaN]
 #pragma unroll
   for (int kk = 0; kk < BC / MmaK; kk++) {
     unsigned p_frag[RowFrags][4];
-    float l_step[LaneRows] = {}; /* summed apart, so l's chain is a step a k-step, not 4 */
 #pragma unroll
     for (int f = 0; f < RowFrags; f++)
 #pragma unroll
@@ -391,13 +372,11 @@ __device__ void compute_block_softmax_and_weighted_v(const float (*s)[BC / MmaN]
 #pragma unroll
         for (int e = 0; e < 4; e++) {
           p[e] = exp2_approx((s[f][2 * kk + half][e] - m_use[2 * f + e / 2]) * scale_log2);
-          l_step[2 * f + e / 2] += p[e];
+          l[2 * f + e / 2] += p[e];
         }
         p_frag[f][2 * half] = pack2(p[0], p[1], T());     /* rows 0-7 */
         p_frag[f][2 * half + 1] = pack2(p[2], p[3], T()); /* rows 8-15 */
       }
-#pragma unroll
-    for (int h = 0; h < LaneRows; h++) l[h] += l_step[h];
     mma_tile<D, true, D, RowFrags>(acc, p_frag, V, kk * MmaK, 0);
   }
 }
