@@ -430,16 +430,16 @@ def read_tsv(path):
 
 # ---- the plot ----------------------------------------------------------------------------
 
-# scripts/plots.py's palette: one colour a run, for as many runs as the ladder has stages
-COLORS = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#66a61e", "#e6ab02", "#a6761d",
-          "#666666", "#1f78b4", "#b2182b", "#000000", "#8c564b", "#17becf", "#bcbd22"]
-
 
 def plot(tsv, png):
     """Two panels from the TSV: the smoothed loss of every run against the step, and below it
     each run's difference from sdpa_seed0, the quantity agreement() judges: its steps shaded,
     the seed noise as dotted lines at +-noise. The data go to gnuplot inline: nothing is
     written but the PNG."""
+    # The project's one palette, so that a stage has the colour it has in every other plot.
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                    "scripts"))
+    from plots import COLORS
     if not shutil.which("gnuplot"):
         print("gpt: gnuplot not found, no plot drawn (Debian/Ubuntu: apt-get install "
               "gnuplot-nox)")
