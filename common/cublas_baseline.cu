@@ -5,6 +5,7 @@
  * It materialises S and P: B H Nq Nkv floats of workspace, the quadratic memory of
  * stage 00 on the GPU. A problem whose S does not fit is refused with exit 2. */
 #include <cublas_v2.h>
+#include <limits.h>
 #include <math.h>
 
 #include "attention.h"
@@ -41,25 +42,27 @@ __device__ float block_reduce(float x, bool is_max, float *scratch) {
   return total;
 }
 
-/* Row r of S (already scaled) becomes P in place; masked entries become 0. */
+/* Row r of S (already scaled) becomes P in place; masked entries become 0. A block takes
+ * rows blockIdx.x, + gridDim.x, ...: B H Nq may pass the 2^31 - 1 blocks a grid can have. */
 __global__ void __launch_bounds__(SOFTMAX_THREADS)
-    softmax_rows_kernel(float *S, float *lse, int nq, int nkv, int causal) {
+    softmax_rows_kernel(float *S, float *lse, long rows, int nq, int nkv, int causal) {
   __shared__ float scratch[SOFTMAX_THREADS / 32];
-  long r = blockIdx.x;
-  int i = (int)(r % nq);
-  long limit = causal ? (long)i + nkv - nq + 1 : nkv; /* keys [0, limit) are visible */
-  int visible = (int)(limit < 0 ? 0 : (limit > nkv ? nkv : limit));
-  float *row = S + r * nkv;
-  float m = -INFINITY;
-  for (int j = threadIdx.x; j < visible; j += SOFTMAX_THREADS) m = fmaxf(m, row[j]);
-  m = block_reduce(m, true, scratch);
-  float l = 0;
-  for (int j = threadIdx.x; j < visible; j += SOFTMAX_THREADS) l += expf(row[j] - m);
-  l = block_reduce(l, false, scratch);
-  float inv_l = visible ? 1.f / l : 0.f; /* a row that sees no key: P = 0, so O = 0 */
-  for (int j = threadIdx.x; j < nkv; j += SOFTMAX_THREADS)
-    row[j] = j < visible ? expf(row[j] - m) * inv_l : 0.f;
-  if (threadIdx.x == 0) lse[r] = visible ? m + logf(l) : -INFINITY;
+  for (long r = blockIdx.x; r < rows; r += gridDim.x) {
+    int i = (int)(r % nq);
+    long limit = causal ? (long)i + nkv - nq + 1 : nkv; /* keys [0, limit) are visible */
+    int visible = (int)(limit < 0 ? 0 : (limit > nkv ? nkv : limit));
+    float *row = S + r * nkv;
+    float m = -INFINITY;
+    for (int j = threadIdx.x; j < visible; j += SOFTMAX_THREADS) m = fmaxf(m, row[j]);
+    m = block_reduce(m, true, scratch);
+    float l = 0;
+    for (int j = threadIdx.x; j < visible; j += SOFTMAX_THREADS) l += expf(row[j] - m);
+    l = block_reduce(l, false, scratch);
+    float inv_l = visible ? 1.f / l : 0.f; /* a row that sees no key: P = 0, so O = 0 */
+    for (int j = threadIdx.x; j < nkv; j += SOFTMAX_THREADS)
+      row[j] = j < visible ? expf(row[j] - m) * inv_l : 0.f;
+    if (threadIdx.x == 0) lse[r] = visible ? m + logf(l) : -INFINITY;
+  }
 }
 
 static size_t forward_workspace(const attn_problem *p) {
@@ -88,8 +91,9 @@ static void forward(const attn_problem *p, const attn_buffers *t) {
                                  (long long)nq * d, &zero, S, CUDA_R_32F, nkv, (long long)nq * nkv,
                                  heads, CUBLAS_COMPUTE_32F_PEDANTIC, CUBLAS_GEMM_DEFAULT),
       "S = scale Q K^T");
-  softmax_rows_kernel<<<(unsigned)((long)heads * nq), SOFTMAX_THREADS>>>(S, t->lse, nq, nkv,
-                                                                         p->causal);
+  long rows = (long)heads * nq;
+  softmax_rows_kernel<<<(unsigned)(rows < INT_MAX ? rows : INT_MAX), SOFTMAX_THREADS>>>(
+      S, t->lse, rows, nq, nkv, p->causal);
   CHECK_LAUNCH("softmax_rows_kernel");
   /* Row-major O (Nq x d) is column-major O^T = V^T P^T. */
   cublas_check(
