@@ -166,10 +166,15 @@ def _check_inputs(q, k, v, enable_gqa):
 _warned = set()
 
 
-def _fallback(q, k, v, is_causal, scale, enable_gqa, why):
+def _warn_once(why, stacklevel):
+    """stacklevel: the caller's frame as warnings.warn counts it from here."""
     if why not in _warned:
         _warned.add(why)
-        warnings.warn(f"flash_stages: falling back to torch SDPA: {why}", stacklevel=3)
+        warnings.warn(f"flash_stages: falling back to torch SDPA: {why}", stacklevel=stacklevel)
+
+
+def _fallback(q, k, v, is_causal, scale, enable_gqa, why):
+    _warn_once(why, 4)
     F = torch.nn.functional
     nq, nkv = q.shape[2], k.shape[2]
     if is_causal and nq != nkv:
@@ -193,6 +198,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if attn_mask is not None or dropout_p != 0.0:
         why = "the stages take no attn_mask and no dropout (use is_causal for the causal mask)"
         if fallback:
+            _warn_once(why, 3)
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                 scale=scale, enable_gqa=enable_gqa)

@@ -293,3 +293,13 @@ def test_fallback_says_so_once_and_keeps_the_alignment():
     want = torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=mask)
     rows_seeing_keys = mask.any(-1)
     assert torch.allclose(got[:, :, rows_seeing_keys], want[:, :, rows_seeing_keys], atol=2e-3)
+    # attn_mask, which no stage takes, goes to SDPA with its own warning, once, and the mask.
+    keep = torch.rand(90, 60, device="cuda") < 0.5
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = fs.scaled_dot_product_attention(q, k, k, attn_mask=keep, fallback=True)
+        fs.scaled_dot_product_attention(q, k, k, attn_mask=keep, fallback=True)
+    said = [w for w in caught if "no attn_mask" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=keep)
+    assert torch.allclose(got, want, atol=2e-3, equal_nan=True)
