@@ -26,24 +26,33 @@ if(ATTN_ENABLE_CUDA)
       endif()
     endif()
     enable_language(CUDA)
-    find_package(CUDAToolkit REQUIRED)
-    # C++20 for designated initialisers: the GPU stages fill their descriptor as the C stages
-    # do. Given as a flag: CMake 3.25 does not know nvcc's C++20 flag (CMAKE_CUDA_STANDARD 20
-    # fails there), and nvcc 12 and 13 accept it.
-    add_compile_options("$<$<COMPILE_LANGUAGE:CUDA>:-std=c++20>")
-    # g++ warns about members a designated initialiser leaves out; in C (and here) they are
-    # zero by definition, which is what the descriptors rely on.
-    add_compile_options(
-      "$<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra,-Wno-missing-field-initializers>")
-    # CMAKE_COMPILE_WARNING_AS_ERROR makes nvcc's own warnings errors; the host compiler's
-    # need their own flag.
-    if(CMAKE_COMPILE_WARNING_AS_ERROR)
-      add_compile_options("$<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Werror>")
+    # Stage 10 asks the driver for its TMA entry point by version
+    # (cudaGetDriverEntryPointByVersion), which CUDA 12.5 added.
+    if(CMAKE_CUDA_COMPILER_VERSION VERSION_LESS 12.5)
+      message(STATUS "CUDA: toolkit ${CMAKE_CUDA_COMPILER_VERSION} found, 12.5 or later "
+                     "needed; the GPU stages 03-11 and the cuBLAS baseline are skipped")
+    else()
+      find_package(CUDAToolkit REQUIRED)
+      # C++20 for designated initialisers: the GPU stages fill their descriptor as the C stages
+      # do. Given as a flag: CMake 3.25 does not know nvcc's C++20 flag (CMAKE_CUDA_STANDARD 20
+      # fails there), and nvcc 12 and 13 accept it.
+      add_compile_options("$<$<COMPILE_LANGUAGE:CUDA>:-std=c++20>")
+      # g++ warns about members a designated initialiser leaves out; in C (and here) they are
+      # zero by definition, which is what the descriptors rely on.
+      add_compile_options(
+        "$<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra,-Wno-missing-field-initializers>")
+      # CMAKE_COMPILE_WARNING_AS_ERROR makes nvcc's own warnings errors; the host compiler's
+      # need their own flag.
+      if(CMAKE_COMPILE_WARNING_AS_ERROR)
+        add_compile_options("$<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Werror>")
+      endif()
+      set(ATTN_CUDA ON)
     endif()
-    set(ATTN_CUDA ON)
   else()
-    message(STATUS "CUDA: no CUDA toolkit found; the GPU stages 03-07 are skipped")
+    message(STATUS "CUDA: no CUDA toolkit found; the GPU stages 03-11 and the cuBLAS baseline "
+                   "are skipped")
   endif()
 else()
-  message(STATUS "CUDA: disabled (ATTN_ENABLE_CUDA=OFF); the GPU stages 03-07 are skipped")
+  message(STATUS "CUDA: disabled (ATTN_ENABLE_CUDA=OFF); the GPU stages 03-11 and the cuBLAS "
+                 "baseline are skipped")
 endif()
