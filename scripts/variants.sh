@@ -3,10 +3,11 @@
 # measurements behind a stage's tile choices and its technique tables.
 #
 #   scripts/variants.sh STAGE OUT_DIR [LABEL=FLAGS ...]
-#   scripts/variants.sh 08_mma_sync out bc32=-DATTN_BC=32 rows16=-DATTN_ROW_FRAGS=1
+#   scripts/variants.sh 09_swizzle_pipeline out bc32=-DATTN_BC=32 rows32=-DATTN_ROW_FRAGS=2
 #
 # Each variant (and `base`, no extra flags) is compiled with nvcc for this GPU against the
-# libraries of build-gpu (run the build phase of gpu_round.sh first) and timed with --bench at
+# libraries of VARIANT_BUILD (default build-gpu, which the build phase of gpu_round.sh makes;
+# VARIANT_BUILD=build after the README's `cmake --workflow --preset tour`) and timed with --bench at
 # FlashAttention's convention (B = 16384/N, H = 2048/d), non-causal and causal; its rows go to
 # OUT_DIR/LABEL.tsv, the stage column renamed STAGE:LABEL. VARIANT_SEQ (default "4096
 # 16384"), VARIANT_DIMS ("64 128"), VARIANT_DTYPE (fp16); BACKWARD=1 times the backward too.
@@ -18,8 +19,11 @@ set -euo pipefail
 stage=${1:?usage: variants.sh STAGE OUT_DIR [LABEL=FLAGS ...]}
 out=${2:?usage: variants.sh STAGE OUT_DIR [LABEL=FLAGS ...]}
 shift 2
-lib=build-gpu/common
-[ -f "$lib/libattn_gpu.a" ] || { echo "variants.sh: no $lib/libattn_gpu.a; build first" >&2; exit 1; }
+lib=${VARIANT_BUILD:-build-gpu}/common
+[ -f "$lib/libattn_gpu.a" ] || {
+  echo "variants.sh: no $lib/libattn_gpu.a; build first (or set VARIANT_BUILD)" >&2
+  exit 1
+}
 mkdir -p "$out"
 bins=${VARIANT_BINS:-$(mktemp -d)}
 mkdir -p "$bins"
