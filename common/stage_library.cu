@@ -1,7 +1,7 @@
 /* One GPU stage as a shared library, for the Python package (python/flash_stages).
  *
  * The stage's own source file is compiled here unchanged: ATTN_STAGE_SOURCE names it, and its
- * main() is renamed so that the library has none. What the library adds is four C entry
+ * main() is renamed so that the library has none. What the library adds is five C entry
  * points around the stage's descriptor, so that Python (ctypes) runs exactly the kernels the
  * stage program runs, on buffers PyTorch owns. The descriptor is read, not copied: the head
  * dims and dtypes Python accepts are the ones the program accepts.
