@@ -65,7 +65,9 @@ def results_table(root):
                      f"{links}.")
     lines += ["", f"Forward and backward TFLOP/s at N = {N}, non-causal (GPU: H = 2048/d, "
               f"B = 16384/N; CPU: one head, d = 64); % of PyTorch's SDPA flash backend (fp16, "
-              f"same GPU, same run as its rows); memory: CPU workspace at N = 8192, GPU device "
+              f"same GPU: measured in one command with its rows where they name a `run`, "
+              f"otherwise the SDPA rows of their day, from another command); memory: CPU "
+              f"workspace at N = 8192, GPU device "
               f"memory of a forward run at N = 8192 (B = 1, H = 32, d = 64; inputs, outputs "
               f"and workspace).", "",
               "| stage | idea | dtype | fwd d=64 | fwd d=128 | bwd d=64 | bwd d=128 "
