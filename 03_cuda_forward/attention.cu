@@ -1,6 +1,6 @@
 /* Stage 03: the stage-02 algorithm on the GPU.
  *
- * The grid is (query blocks, batch x head). A block holds Br threads and each thread owns
+ * One block per query block of a head, numbered along x; a block holds Br threads, each owning
  * one query row: its q, its running max m, sum l and accumulator acc live in registers,
  * and it walks the keys in tiles of Bc, reading K and V straight from global memory. The
  * four steps are stage 02's, now for one row each. Head dims are compile-time (D), so
