@@ -11,15 +11,10 @@
  * A warp multiplies its rows on tensor cores (fp16 or bf16 in, fp32 accumulation). WMMA
  * does not say which lane holds which element of a fragment, so each thread reads its row of
  * a product from shared memory in stage 07. mma.sync.m16n8k16 and ldmatrix document theirs
- * (the PTX ISA, "Matrix Fragments for mma.m16n8k16"; drawn below): every lane knows its rows.
- *   - S = Q K^T stays in the accumulators; a row's max and sum are reduced over the 4 lanes
- *     (a quad) that hold the row, with two shuffles;
- *   - P is made from S in registers as the left operand of P V; O stays in accumulators;
- *   - the scale is folded into the exponent: p = 2^((s - m) scale log2(e)) on the raw S;
- *   - only the tiles that cross the causal diagonal or the end of the keys are masked;
- *   - the backward likewise makes P^T and dS^T (the dQ kernel: dS) in registers;
- *   - with nothing staged, the copies are what the warps wait on: cp.async copies the next
- *     tile while they multiply this one.
+ * (the PTX ISA, "Matrix Fragments for mma.m16n8k16"; drawn below), so S, P and O stay in
+ * registers: a row's max and sum over the 4 lanes (a quad) that hold it, P (in the backward
+ * P^T and dS^T) converted in place into an A operand, the scale folded into exp2, masks only
+ * on the tiles that need them, and cp.async copying the next tile during this one's products.
  * dQ gets its own pass instead of atomics from the dK/dV kernel: it recomputes S and dP
  * once more (7 d instead of 5 d multiply-adds per (i, j)), and in exchange every gradient
  * is written by exactly one thread, so the backward is deterministic.
@@ -55,10 +50,9 @@
  */
 constexpr int MmaM = 16, MmaN = 8, MmaK = 16;
 constexpr int Quad = 4; /* lanes that share a row */
-/* A warp's query rows in the forward, in instruction heights (fragments). At d = 128, two:
- * every K and V operand a warp loads from shared memory then feeds two mma.sync instead of
- * one. At d <= 64, one, which leaves registers for two blocks of 8 warps per SM. Measured on
- * an H100 (fp16, N = 4096 and 16384, forward TFLOP/s, scripts/variants.sh): at d = 128, 32
+/* A warp's query rows in the forward, in fragments: at d = 128 two, so that each K and V
+ * operand loaded feeds two mma.sync; at d <= 64 one, which leaves registers for two blocks of
+ * 8 warps an SM. Measured (H100, fp16, N = 4096 and 16384, forward TFLOP/s): at d = 128, 32
  * rows a warp 251-267 against 16 rows 202-213; at d = 64, 16 rows (Q in registers) 216-231
  * against 32 rows 209-222. */
 __host__ __device__ constexpr int row_frags(int d) { return d > 64 ? 2 : 1; }
@@ -185,18 +179,16 @@ __device__ void mma_tile(float (*acc)[N / MmaN][4], const unsigned (*a)[4], cons
   }
 }
 
-/* The exponentials are exp2 (one instruction): exp(x) = exp2(x log2 e), log x = ln 2 log2 x. */
+/* exp(x) = 2^(x log2 e) and log x = ln 2 log2 x: 2^x is one instruction (MUFU.EX2), 2^-inf = +0,
+ * with a relative error (about 2^-22) far below the dtype's rounding of P. */
 constexpr float Log2e = 1.4426950408889634f, Ln2 = 0.6931471805599453f;
-/* 2^x in one instruction (MUFU.EX2); 2^-inf = +0. Its relative error, about 2^-22, is far
- * below the dtype's rounding of P. */
 __device__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 
-/* Two dtype values in one 32-bit register, `lo` in the lower half: an operand register,
- * rounded to nearest even (the host rounds the same way). */
+/* Two dtype values in one operand register, `lo` in the lower half, rounded to nearest even. */
 __device__ unsigned pack2(float lo, float hi, __half) {
   __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<unsigned *>(&h);
@@ -216,12 +208,10 @@ __device__ float sum_over_quad(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-/* A lane holds 2 rows of each of the warp's RowFrags fragments: its row h is g + 8 h of the
- * warp's rows; element e of fragment f's accumulators belongs to row 2 f + e / 2.
- * s[f][BC / 8][4], zeroed, accumulates S = Q K^T of the warp's rows and the tile's keys. Only
- * a tile that crosses the causal diagonal or the end of the keys is masked: an element past
- * its row's last visible key (the tile's first `cols`; on a diagonal tile row h's first
- * `visible + 8 h`) becomes -inf. m_blk[h] is row h's max over the tile, over the row's quad. */
+/* Element e of fragment f's accumulators is the lane's row h = 2 f + e / 2, the warp's row
+ * g + 8 h. s, zeroed, accumulates S = Q K^T. Only a tile crossing the diagonal or the end of
+ * the keys is masked: past row h's first `cols` (diagonal: `visible + 8 h`) keys, -inf.
+ * m_blk[h] is row h's max over the tile and the quad. */
 template <int D, int BC, typename T>
 __device__ void compute_qk_scores_and_max(const T *Q, const unsigned (*q_frag)[4], const T *K,
                                           int cols, bool diagonal, int visible,
@@ -237,9 +227,8 @@ __device__ void compute_qk_scores_and_max(const T *Q, const unsigned (*q_frag)[4
     mma_tile<false, BC, RowFrags>(s, q_in_registers(D) ? q_frag + kk : a, K + kk * MmaK,
                                   padded<T>(D));
   }
-  /* The mask is a compare and a select per element. At d <= 64 a branch skips them on the
-   * tiles that need no mask; at d = 128 they stay in the loop of the max, predicated on every
-   * tile, since the branch there would cost 60 bytes of spills. */
+  /* A compare and a select per element: at d <= 64 a branch skips them on unmasked tiles; at
+   * d = 128 they stay predicated in the max's loop (the branch would cost 60 bytes of spills). */
   int t = threadIdx.x % Quad;
   if (RowFrags == 1 && (diagonal || cols < BC))
 #pragma unroll
@@ -289,12 +278,10 @@ __device__ void merge_block_stats(const float *m_blk, float scale_log2, float *m
       for (int e = 0; e < 4; e++) acc[f][n][e] *= correction[2 * f + e / 2];
 }
 
-/* p = 2^((s - m) scale log2(e)); l += p (this lane's columns only: the quad's partial sums
- * are added once, at the end); acc += P V. For each 16 keys the two accumulators of S that
- * hold them become one A operand of P V. Not one FFMA, 2^(s c - m c) with m c precomputed
- * as FlashAttention does: m c is rounded, and for the row's largest element s c - round(m c)
- * is that rounding error, half an ulp of m c, which is no longer small once |m c| passes
- * 2^16 or so (4096 at logits of 1e11, bf16 inputs near 1e5): 2^4096 is inf. */
+/* p = 2^((s - m) scale log2(e)); l += p (the lane's columns: the quad's sums are added at the
+ * end); acc += P V, each 16 keys' two S accumulators one A operand. Not FlashAttention's one
+ * FFMA, 2^(s c - m c) with m c precomputed: m c is rounded, and for the row's largest element
+ * s c - m c is that error, 4096 at logits of 1e11 (bf16 inputs near 1e5): 2^4096 = inf. */
 template <int D, int BC, typename T>
 __device__ void compute_block_softmax_and_weighted_v(const float (*s)[BC / MmaN][4], const T *V,
                                                      float scale_log2, const float *m, float *l,
@@ -407,7 +394,6 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
   __pipeline_commit();
   for (int j0 = 0, buf = 0; j0 < kv_end; j0 += BC, buf ^= 1) {
     int cols = min(BC, nkv - j0), next = j0 + BC;
-    /* Start copying the next tile into the other buffer, then wait for this one. */
     if (next < kv_end)
       load_kv_tile<D, BC>(K + (long)next * D, V + (long)next * D, min(BC, nkv - next),
                           Ks + (buf ^ 1) * BC * padded<T>(D), Vs + (buf ^ 1) * BC * padded<T>(D));
@@ -468,21 +454,18 @@ constexpr int Bc_bwd = 128;
 constexpr int Bc_bwd_small = 64;
 /* Query rows per tile of the dK/dV kernel: half its keys (64 rows, like Bc in the forward). */
 __host__ __device__ constexpr int rows_bwd(int bc) { return bc / 2; }
-/* The dQ kernel: 4 warps of 16 query rows each, walking tiles of 32 keys, half the forward's,
- * so that its shared memory (68 KiB at d = 128) lets 3 blocks share an SM; measured on an
- * H100, +3 to +7% on the backward at d = 128 and +2 to +3% at d = 64, against 64 keys. */
+/* The dQ kernel: 4 warps of 16 query rows, tiles of 32 keys, so that 3 blocks (68 KiB at
+ * d = 128) share an SM: backward +3 to +7% at d = 128, +2 to +3% at d = 64, against 64 keys. */
 constexpr int Br_dq = 4 * MmaM, Bc_dq = 32;
 static_assert(rows_bwd(Bc_bwd_small) % MmaK == 0 && Bc_dq % MmaK == 0, "whole k-steps");
 
-/* Blocks of the dK/dV kernel that must fit an SM at once, which caps its registers: at
- * d <= 64, 2 (128 registers a thread; measured on an H100, +12 to +16% on the backward
- * against the compiler's 134 registers and one block); at d = 128 dK and dV alone take 128
- * registers, so 1. */
+/* Blocks of the dK/dV kernel that must fit an SM, which caps its registers: at d <= 64, 2
+ * (128 registers: backward +12 to +16% against the compiler's 134 and one block); at d = 128,
+ * where dK and dV alone take 128 registers, 1. */
 __host__ __device__ constexpr int dkdv_blocks_per_sm(int d) { return d <= 64 ? 2 : 1; }
-/* Blocks of the dQ kernel that must fit an SM at once. Its Q and dO operands stay in
- * registers, where the compiler would take 132 registers at d = 64 and 178 at d = 128 (3 and
- * 2 blocks); capped, 4 blocks at d <= 64 (128 registers, no spill) and 3 at d = 128 (168, an
- * 8-byte spill). -DATTN_DQ_BLOCKS=N sets N at every d, for measuring the choice. */
+/* Blocks of the dQ kernel that must fit an SM, with its Q and dO operands in registers: 4 at
+ * d <= 64 (128 registers, no spill; uncapped 132, 3 blocks) and 3 at d = 128 (168, an 8-byte
+ * spill; uncapped 178, 2 blocks). -DATTN_DQ_BLOCKS=N sets N at every d, to measure it. */
 #ifndef ATTN_DQ_BLOCKS
 #define ATTN_DQ_BLOCKS 0
 #endif
@@ -528,11 +511,10 @@ __device__ void load_row_stats(const float *lse, const float *delta, int rows, i
 }
 
 /* P = 2^(s scale log2(e) - LSE) (LSE in log2 units) and dS = P (dP - D) for the four
- * elements of an accumulator, left as half an A operand: out[0] packs rows 0-7, out[1] rows
- * 8-15. A masked element is 0, and exp2 is never asked for it, so a row that sees no key
- * (LSE = -inf) cannot make a NaN. P <= 1 exactly, but an fp32 LSE of logits near 1e11 (bf16
- * inputs near 1e5) is known only to about 4096, and 2^4096 is inf; the clamp keeps P a
- * probability, so such inputs give finite gradients instead of NaN. */
+ * elements of an accumulator, as half an A operand (out[0] rows 0-7, out[1] rows 8-15). A
+ * masked element is 0 without exp2, so a row that sees no key (LSE = -inf) makes no NaN. The
+ * clamp P <= 1: an fp32 LSE of logits near 1e11 (bf16 inputs near 1e5) is known only to about
+ * 4096, and 2^4096 = inf would make the gradients NaN. */
 template <typename T>
 __device__ void probabilities_and_ds(const float *s, const float *dp, float scale_log2,
                                      const float *lse, const float *delta, const bool *visible,
@@ -596,8 +578,7 @@ __global__ void __launch_bounds__(threads_for(BC), dkdv_blocks_per_sm(D))
     __syncthreads(); /* RAW: the Q/dO tile, LSE and D (the first time, K and V) have landed */
     const T *Qt = Qs + buf * Br_bwd * ld, *dOt = dOs + buf * Br_bwd * ld;
     const float *lse_t = lse_s + buf * Br_bwd, *delta_t = delta_s + buf * Br_bwd;
-    /* Only a tile with rows past the end of the queries, keys past the end of the keys, or a
-     * key that some of its rows must not see (it crosses the diagonal) tests visibility. */
+    /* Only a tile past the end of the queries or keys, or crossing the diagonal, is masked. */
     bool masked = i0 + Br_bwd > nq || jw + MmaM > nkv || (causal && jw + MmaM - 1 > i0 + offset);
 #pragma unroll
     for (int n2 = 0; n2 < Br_bwd / MmaK; n2++) { /* 16 queries: one k-step of dV and dK */
@@ -698,8 +679,7 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
       for (int kk = 0; kk < D / MmaK; kk++)
         ldmatrix_x4(q_frag[kk], a_operand(Qw + kk * MmaK, ld)),
             ldmatrix_x4(do_frag[kk], a_operand(dOw + kk * MmaK, ld));
-    /* Only a tile with keys past the end, rows past the end, or crossing the warp's
-     * diagonal tests visibility. */
+    /* Only a tile past the end of the keys or rows, or crossing the warp's diagonal, is masked. */
     bool masked = j0 + Bc > nkv || iw + MmaM > nq || (causal && j0 + Bc - 1 > iw + offset);
 #pragma unroll
     for (int n2 = 0; n2 < Bc / MmaK; n2++) { /* 16 keys: one k-step of dQ */

@@ -157,21 +157,18 @@ static constexpr size_t tile_bytes(int d, int bc, int rows) {
  * zeroed, since they enter the products (where 0 times a stale NaN is NaN). */
 template <int D, int ROWS, int THREADS, typename T>
 __device__ void load_tile(const T *src, int rows, T *dst) {
-  /* THREADS, the block's size, is known at compile time, so the loop unrolls and each thread
-   * computes its swizzled offset once: every pass moves THREADS / W rows further, a whole
-   * number of swizzle periods (8 rows), which adds to the offset without changing the
-   * permutation. (Dividing a runtime index by W and swizzling it on every copy cost about 30
-   * instructions a copy.) */
+  /* THREADS is known at compile time, so the loop unrolls and each thread swizzles its offset
+   * once: a pass moves whole swizzle periods (8 rows), which leave the permutation alone.
+   * (Dividing a runtime index by W and swizzling on every copy cost about 30 instructions.) */
   constexpr int Chunk = 16 / sizeof(T), W = D / Chunk, Step = THREADS / W; /* rows a pass */
   static_assert(THREADS % W == 0 && Step % 8 == 0, "a pass moves whole swizzle periods");
   const int tid = threadIdx.x, r = tid / W;
   const T *from = src + tid * Chunk;
   T *to = dst + swizzle<D, T>(r, tid % W * Chunk);
   constexpr int Passes = (ROWS * W + THREADS - 1) / THREADS;
-  /* A whole tile (every tile of a sequence but its last) copies without testing its rows:
-   * no compare, branch and zero fill per copy, and its copies issue as one run. In stage 09's
-   * forward that is 9 instructions less per K or V tile at d = 64 (2 copies a thread) and
-   * about 55 at d = 128 (8 copies); -DATTN_WHOLE_TILES=0 tests every copy (09's A/B table). */
+  /* A whole tile (all but a sequence's last) copies without testing rows, as one run: in 09's
+   * forward 9 instructions less per K or V tile at d = 64 and about 55 at d = 128.
+   * -DATTN_WHOLE_TILES=0 tests every copy (09's A/B table). */
   if (ATTN_WHOLE_TILES && rows >= ROWS && (ROWS * W) % THREADS == 0) {
 #pragma unroll
     for (int k = 0; k < Passes; k++)
@@ -223,11 +220,9 @@ __device__ void ldmatrix_x4_trans(unsigned *r, unsigned address) {
 }
 
 /* The shared-memory address of element (row + lane_row, col + lane_col) of a swizzled tile,
- * where row is a multiple of 8 and col of 16. The lane's own address, for (lane_row,
- * lane_col), is computed once; moving it by `col` then changes only the chunk bits, which
- * the swizzle XORs with the row: swizzle(r, c + col) = swizzle(r, c) XOR col (in bytes) when
- * col is whole 16-element steps and the tile starts on a row boundary aligned to the row's
- * size (256-byte aligned shared memory, whole rows between tiles). So a step is one XOR, and
+ * row a multiple of 8, col of 16. A column step changes only the chunk bits, which the
+ * swizzle XORs with the row, so swizzle(r, c + col) = swizzle(r, c) XOR col (in bytes) in a
+ * tile aligned to its row size: the lane's address is computed once, a step is one XOR, and
  * the row offset, which the swizzle does not see, is an immediate the loads fold in. */
 template <int D, typename T>
 __device__ unsigned operand_address(const T *tile, int lane_row, int lane_col, int row, int col) {
@@ -278,18 +273,16 @@ __device__ void mma_tile(float (*acc)[N / MmaN][4], const unsigned (*a)[4], cons
   }
 }
 
-/* The exponentials are exp2 (one instruction): exp(x) = exp2(x log2 e), log x = ln 2 log2 x. */
+/* exp(x) = 2^(x log2 e) and log x = ln 2 log2 x: 2^x is one instruction (MUFU.EX2), 2^-inf = +0,
+ * with a relative error (about 2^-22) far below the dtype's rounding of P. */
 constexpr float Log2e = 1.4426950408889634f, Ln2 = 0.6931471805599453f;
-/* 2^x in one instruction (MUFU.EX2); 2^-inf = +0. Its relative error, about 2^-22, is far
- * below the dtype's rounding of P. */
 __device__ float exp2_approx(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
 
-/* Two dtype values in one 32-bit register, `lo` in the lower half: an operand register,
- * rounded to nearest even (the host rounds the same way). */
+/* Two dtype values in one operand register, `lo` in the lower half, rounded to nearest even. */
 __device__ unsigned pack2(float lo, float hi, __half) {
   __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<unsigned *>(&h);
@@ -948,32 +941,26 @@ constexpr int Bc_bwd = 128;
 /* Keys per dK/dV block where the device cannot give a block dkdv_bytes(d, Bc_bwd): half the
  * keys and query rows (161 KiB at d = 128; sm_86 and sm_89 allow 99 KiB, sm_80 163 KiB). */
 constexpr int Bc_bwd_small = 64;
-/* Query steps (16 queries each) whose S^T and dP^T a dK/dV warp computes per load of its
- * K and V operands: each operand then feeds QSteps products instead of one. Measured on an
- * H100 (fp16, N = 4096 and 16384, causal and not, one command): at d = 128, 4 steps
- * 164-204 TFLOP/s backward against 146-180 for 1 step and 157-196 for 2; at d = 64, 2 steps
- * 160-196 against 159-191 for 1 and 151-183 for 4 (which spills under the 2-block cap, and
- * runs at 150-179 with one block an SM). -DATTN_BWD_QSTEPS=N sets N at every d. */
+/* Query steps (16 queries) per load of a dK/dV warp's K and V operands, each feeding QSteps
+ * products. Backward TFLOP/s (N = 4096 and 16384, one command): d = 128, 4 steps 164-204,
+ * 1 146-180, 2 157-196; d = 64, 2 steps 160-196, 1 159-191, 4 151-183 (spills; 150-179 with
+ * one block an SM). -DATTN_BWD_QSTEPS=N sets N at every d. */
 #ifndef ATTN_BWD_QSTEPS
 #define ATTN_BWD_QSTEPS 0
 #endif
 __host__ __device__ constexpr int query_steps(int d) {
   return ATTN_BWD_QSTEPS ? ATTN_BWD_QSTEPS : d > 64 ? 4 : 2;
 }
-/* A dK/dV warp's keys: 32 (two fragments), so that each Q and dO operand it loads feeds two
- * mma.sync instead of one. Measured on an H100 (fp16, N = 4096 and 16384, causal and not,
- * one command) against 16 keys a warp (-DATTN_BWD_WARP_KEYS=16, one warp a group at every d):
- * backward +8 to +12% at d = 64, +2 to +4% at d = 128. */
+/* A dK/dV warp's keys: 32, so that each Q and dO operand it loads feeds two mma.sync; against
+ * 16 (-DATTN_BWD_WARP_KEYS=16), backward +8 to +12% at d = 64, +2 to +4% at d = 128. */
 #ifndef ATTN_BWD_WARP_KEYS
 #define ATTN_BWD_WARP_KEYS 32
 #endif
 constexpr int WarpKeys = ATTN_BWD_WARP_KEYS;
 static_assert(WarpKeys % MmaM == 0, "whole fragments of keys");
-/* Warps that share a group of WarpKeys keys. At d <= 64 one, which keeps dK and dV of its 32
- * keys (64 registers a lane at d = 64) and P^T, dS^T in registers. At d = 128 dK and dV of 32
- * keys would take 256 registers a lane, so two: each makes P^T and dS^T for half of a query
- * tile and writes them to shared memory, then adds dK and dV for half of the columns over
- * the whole tile, reading them back (FlashAttention-2's split). */
+/* Warps that share a group of WarpKeys keys: at d <= 64 one, dK, dV, P^T and dS^T all in
+ * registers; at d = 128, where dK and dV of 32 keys would take 256 registers, two, which
+ * split the work through shared memory (FlashAttention-2's split; see the dK/dV kernel). */
 __host__ __device__ constexpr int key_group_warps(int d) {
   return WarpKeys > MmaM && d > 64 ? 2 : 1;
 }
@@ -982,21 +969,18 @@ __host__ __device__ constexpr int dkdv_threads(int d, int bc) {
 }
 /* Query rows per tile of the dK/dV kernel: half its keys (64 rows, like Bc in the forward). */
 __host__ __device__ constexpr int rows_bwd(int bc) { return bc / 2; }
-/* The dQ kernel: 4 warps of 16 query rows each, walking tiles of 32 keys, half the forward's,
- * so that its shared memory (68 KiB at d = 128) lets 3 blocks share an SM; measured on an
- * H100, +3 to +7% on the backward at d = 128 and +2 to +3% at d = 64, against 64 keys. */
+/* The dQ kernel: 4 warps of 16 query rows, tiles of 32 keys, so that 3 blocks (68 KiB at
+ * d = 128) share an SM: backward +3 to +7% at d = 128, +2 to +3% at d = 64, against 64 keys. */
 constexpr int Br_dq = 4 * MmaM, Bc_dq = 32;
 static_assert(rows_bwd(Bc_bwd_small) % MmaK == 0 && Bc_dq % MmaK == 0, "whole k-steps");
 
-/* Blocks of the dK/dV kernel that must fit an SM at once, which caps its registers: at
- * d <= 64, 2 blocks of 4 warps (up to 255 registers a thread: dK and dV of 32 keys take 64
- * of them); at d = 128, 1 of 8. */
+/* Blocks of the dK/dV kernel that must fit an SM, which caps its registers: at d <= 64, 2
+ * blocks of 4 warps (up to 255 registers: dK and dV of 32 keys take 64); at d = 128, 1 of 8. */
 __host__ __device__ constexpr int dkdv_blocks_per_sm(int d) { return d <= 64 ? 2 : 1; }
-/* Blocks of the dQ kernel that must fit an SM at once. Its Q and dO operands stay in
- * registers, where the compiler would take 132 registers at d = 64 and 178 at d = 128 (3 and
- * 2 blocks); capped, 4 blocks at d <= 64 (128 registers, an 8-byte spill) and 3 at d = 128
- * (168, a 108-byte spill; 08's 8 and none). -DATTN_DQ_BLOCKS=N sets N at every d, for
- * measuring the choice. */
+/* Blocks of the dQ kernel that must fit an SM, with its Q and dO operands in registers: 4 at
+ * d <= 64 (128 registers, an 8-byte spill, 08's none; uncapped 132, 3 blocks) and 3 at d = 128
+ * (168, a 108-byte spill, 08's 8; uncapped 178, 2 blocks). -DATTN_DQ_BLOCKS=N sets N at every
+ * d, to measure it. */
 #ifndef ATTN_DQ_BLOCKS
 #define ATTN_DQ_BLOCKS 0
 #endif
@@ -1004,12 +988,10 @@ __host__ __device__ constexpr int dq_blocks_per_sm(int d) {
   return ATTN_DQ_BLOCKS ? ATTN_DQ_BLOCKS : d <= 64 ? 4 : 3;
 }
 
-/* dQ's atomics on sm_90 and later: a lane adds its two adjacent columns of a row as one
- * float2, so that a warp's atomic fills 8 whole 32-byte sectors of L2 where two of single
- * floats each send the same 8 sectors half full. Measured on an H100 (fp16, N = 4096 and
- * 16384, d = 64 and 128, causal and not, one command): backward +17 to +22%. A float4 made
- * by two lanes of a quad (a shuffle more) was not faster (0 to 1% slower at d = 128).
- * -DATTN_PAIRED_ATOMICS=0 adds single floats, as sm_80 (no vector atomics) always does. */
+/* dQ's atomics on sm_90 and later: a lane adds its two adjacent columns as one float2, so a
+ * warp's atomic fills 8 whole 32-byte sectors of L2 where two of single floats send them half
+ * full: backward +17 to +22% (a float4 over two lanes: 0 to 1% slower). -DATTN_PAIRED_ATOMICS=0
+ * adds single floats, as sm_80 (no vector atomics) always does. */
 #ifndef ATTN_PAIRED_ATOMICS
 #define ATTN_PAIRED_ATOMICS 1
 #endif
@@ -1062,11 +1044,10 @@ __device__ void load_row_stats(const float *lse, const float *delta, int rows, i
 }
 
 /* P = 2^(s scale log2(e) - LSE) (LSE in log2 units) and dS = P (dP - D) for the four
- * elements of an accumulator, left as half an A operand: out[0] packs rows 0-7, out[1] rows
- * 8-15. A masked element is 0, and exp2 is never asked for it, so a row that sees no key
- * (LSE = -inf) cannot make a NaN. P <= 1 exactly, but an fp32 LSE of logits near 1e11 (bf16
- * inputs near 1e5) is known only to about 4096, and 2^4096 is inf; the clamp keeps P a
- * probability, so such inputs give finite gradients instead of NaN. */
+ * elements of an accumulator, as half an A operand (out[0] rows 0-7, out[1] rows 8-15). A
+ * masked element is 0 without exp2, so a row that sees no key (LSE = -inf) makes no NaN. The
+ * clamp P <= 1: an fp32 LSE of logits near 1e11 (bf16 inputs near 1e5) is known only to about
+ * 4096, and 2^4096 = inf would make the gradients NaN. */
 template <typename T>
 __device__ void probabilities_and_ds(const float *s, const float *dp, float scale_log2,
                                      const float *lse, const float *delta, const bool *visible,
@@ -1081,15 +1062,11 @@ __device__ void probabilities_and_ds(const float *s, const float *dp, float scal
   ds_out[0] = pack2(ds[0], ds[1], T()), ds_out[1] = pack2(ds[2], ds[3], T());
 }
 
-/* dQ += dS K for one query tile of the dK/dV kernel, FlashAttention-2's way: the block's
- * warps share the product of the tile's dS (Br_bwd queries x BC keys, read transposed from
- * dS^T in shared memory) and its K tile; warp w takes 32 queries (QFrags fragments) and Cols
- * of the D columns, and adds them into the fp32 dQ by atomics, rows past `rows` left out.
- * 32 x 32 a warp reads 4 ldmatrix.x4 for 8 mma.sync where 16 queries x 64 columns read 5
- * (measured on an H100, fp16, N = 4096 and 16384, one command: backward +2 to +4% at
- * d = 64, 0 to +1% at d = 128). Blocks of other keys add into the same rows in no fixed
- * order, so dQ's last bits change from run to run; ATTN_DETERMINISTIC=1 runs the dQ kernel
- * instead. */
+/* dQ += dS K for one query tile of the dK/dV kernel (dS read transposed from dS^T in shared
+ * memory): warp w takes 32 queries and Cols columns (4 ldmatrix.x4 for 8 mma.sync, where 16 x
+ * 64 read 5: backward +2 to +4% at d = 64) and adds them into the fp32 dQ by atomics, rows past
+ * `rows` left out. Other key blocks add into the same rows in no fixed order, so dQ's last
+ * bits change from run to run; ATTN_DETERMINISTIC=1 runs the dQ kernel instead. */
 template <int D, int BC, typename T>
 __device__ void accumulate_dq(const T *dSt, const T *Ks, float *dq_accum, int rows) {
   constexpr int Br_bwd = rows_bwd(BC), Warps = dkdv_threads(D, BC) / 32;
@@ -1147,12 +1124,11 @@ __device__ void update_dkdv(const unsigned (*p_frag)[4], const unsigned (*ds_fra
   }
 }
 
-/* The block's BC keys in groups of WarpKeys (32), each group's dK and dV in accumulators while
- * the block walks the query tiles: S^T = K Q^T and dP^T = V dO^T (keys as rows), P^T and dS^T
- * made in registers, then dV += P^T dO and dK += dS^T Q, 16 queries a k-step. One warp a
- * group (d <= 64) does all of it in registers. Two warps a group (d = 128) each make P^T and
- * dS^T for half of the tile's queries and write them to shared memory, then each adds dK and
- * dV for half of the columns over the whole tile, reading P^T and dS^T back as A operands. */
+/* The block's BC keys in groups of WarpKeys, each group's dK and dV in accumulators while the
+ * block walks the query tiles: S^T = K Q^T and dP^T = V dO^T make P^T and dS^T in registers,
+ * then dV += P^T dO and dK += dS^T Q. Two warps a group (d = 128) each make P^T and dS^T for
+ * half of the tile's queries, write them to shared memory, and add dK and dV for half of the
+ * columns over the whole tile, reading P^T and dS^T back as A operands. */
 template <int D, int BC, bool AtomicDq, typename T>
 __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
     flash_backward_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ k,
@@ -1171,10 +1147,8 @@ __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
   float *lse_s = reinterpret_cast<float *>(dOs + 2 * Br_bwd * ld), *delta_s = lse_s + 2 * Br_bwd;
   T *dSt = reinterpret_cast<T *>(delta_s + 2 * Br_bwd); /* dS^T of the tile, for dQ */
   T *Pt = dSt + BC * padded<T>(Br_bwd);                 /* P^T of the tile, if Split > 1 */
-  /* Under the causal mask key block 0 has the most query tiles: ordered by key block across
-   * all heads, the heaviest blocks start first and the light ones fill the tail (the forward's
-   * order, mirrored; measured on an H100, fp16, causal: backward +5% at d = 128, N = 4096,
-   * within 1% at N = 16384 and at d = 64). */
+  /* Causal: key block 0 has the most query tiles, so blocks go by key block across heads,
+   * heaviest first (the forward's order, mirrored; +5% at d = 128, N = 4096, else within 1%). */
   int key_blocks = (nkv + BC - 1) / BC;
   long bh = causal ? blockIdx.x % heads : blockIdx.x / key_blocks;
   int kb = (int)(causal ? blockIdx.x / heads : blockIdx.x % key_blocks);
@@ -1213,8 +1187,7 @@ __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
     __pipeline_commit();
     const T *Qt = Qs + buf * Br_bwd * ld, *dOt = dOs + buf * Br_bwd * ld;
     const float *lse_t = lse_s + buf * Br_bwd, *delta_t = delta_s + buf * Br_bwd;
-    /* Only a tile with rows past the end of the queries, keys past the end of the keys, or a
-     * key that some of its rows must not see (it crosses the diagonal) tests visibility. */
+    /* Only a tile past the end of the queries or keys, or crossing the diagonal, is masked. */
     bool masked =
         i0 + Br_bwd > nq || jw + WarpKeys > nkv || (causal && jw + WarpKeys - 1 > i0 + offset);
     /* QSteps query steps of 16 share each load of the warp's K and V operands */
@@ -1348,8 +1321,7 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
       for (int kk = 0; kk < D / MmaK; kk++)
         ldmatrix_x4(q_frag[kk], a_operand<D>(Qw, 0, kk * MmaK)),
             ldmatrix_x4(do_frag[kk], a_operand<D>(dOw, 0, kk * MmaK));
-    /* Only a tile with keys past the end, rows past the end, or crossing the warp's
-     * diagonal tests visibility. */
+    /* Only a tile past the end of the keys or rows, or crossing the warp's diagonal, is masked. */
     bool masked = j0 + Bc > nkv || iw + MmaM > nq || (causal && j0 + Bc - 1 > iw + offset);
 #pragma unroll
     for (int n2 = 0; n2 < Bc / MmaK; n2++) { /* 16 keys: one k-step of dQ */
