@@ -25,13 +25,11 @@
 #include "gpu.h"
 
 using namespace nvcuda;
-/* WMMA's m16n16k16: a warp owns 16 rows, LANES threads a row, thread `part` its columns
- * c * LANES + part. */
+/* WMMA's m16n16k16: 16 rows a warp, LANES threads a row; thread `part`: columns c * LANES + part */
 constexpr int Frag = 16, LANES = 32 / Frag;
 __host__ __device__ constexpr int threads_for(int rows) { return rows * LANES; }
 using FragAcc = wmma::fragment<wmma::accumulator, Frag, Frag, Frag, float>;
-/* Query rows per block: 4 warps share each K and V tile (the forward asks for 2 blocks an SM:
- * left to choose, ptxas spills at d = 64 and 128). */
+/* Query rows per block: 4 warps share a K/V tile (2 blocks an SM, or ptxas spills at d >= 64) */
 constexpr int Br = 4 * Frag;
 /* Keys per tile: a tile's Bc scores are a register array per thread, so Bc is small;
  * 64 keys are 4 fragments, 32 scores a thread, and a warp's S is staged in 4 KiB. */
@@ -46,8 +44,7 @@ __host__ __device__ constexpr int padded(int cols) {
   return cols + Skew / (int)sizeof(E);
 }
 
-/* Shared memory of a block walking tiles of bc keys: the K and V tiles, `rows` rows of queries
- * (Q, or Q and dO), and per query row a staging row (fp32: S, then O's columns) and a P row. */
+/* Shared memory: K, V (bc rows), `rows` rows of Q (or Q and dO), a staging and a P row a query. */
 template <typename T>
 static constexpr size_t tile_bytes(int d, int bc, int rows) {
   return sizeof(T) * (2 * (size_t)bc + rows) * padded<T>(d) +
@@ -158,7 +155,8 @@ __device__ void compute_block_softmax_and_weighted_v(const float *s, const T *V,
     l += prob;
     P[threadIdx.x / LANES * padded<T>(Bc) + j] = T(prob); /* in the dtype, for P V */
   }
-  __syncwarp();                      /* RAW: the warp's rows of P are whole before they load */
+  __syncwarp(); /* RAW: the warp's rows of P are whole before they load */
+
   constexpr int W = D < Bc ? D : Bc; /* P V's columns per pass through the staging tile */
 #pragma unroll
   for (int c0 = 0; c0 < D; c0 += W) {
@@ -291,8 +289,7 @@ __global__ void compute_delta_kernel(const T *o, const T *d_o, float *delta, lon
 
 /* A warp per 16 keys j of the block's BC keys (Bc_bwd, or Bc_bwd_small where shared memory
  * is smaller), keeping their dK and dV in accumulators while it walks the query tiles: per
- * tile it stages S^T = K Q^T and dP^T = V dO^T (Q and dO read col_major, as Q^T and dO^T); its
- * threads, LANES a key, make P^T and dS^T, the matrix_a of dV += P^T dO and dK += dS^T Q. */
+ * tile it stages S^T = K Q^T and dP^T = V dO^T, makes P^T and dS^T: dV += P^T dO, dK += dS^T Q. */
 template <int D, int BC, typename T>
 __global__ void __launch_bounds__(threads_for(BC))
     flash_backward_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ k,
@@ -336,8 +333,8 @@ __global__ void __launch_bounds__(threads_for(BC))
     for (int c = 0, r = part; c < Br_bwd / LANES; c++, r += LANES) {
       bool visible = r < rows && j < nkv && (!causal || j <= i0 + r + offset);
       /* P from the saved LSE; a masked entry is 0 (and exp is never asked for it, so a row
-       * that sees no key, LSE = -inf, cannot make a NaN). P <= 1, but an fp32 LSE of logits
-       * near 1e11 (bf16 inputs near 1e5) is known only to about 4096, and exp(4096) = inf. */
+       * that sees no key, LSE = -inf, cannot make a NaN). */
+      /* P <= 1, but an fp32 LSE near 1e11 (bf16 inputs ~1e5) may be off by 4096: exp(4096) = inf */
       prob[c] = visible ? fminf(1.f, expf(scale * S_j[c * LANES] - lse_s[r])) : 0.f;
       Pt[key * ld_p + r] = T(prob[c]);
     }
@@ -413,11 +410,9 @@ __global__ void __launch_bounds__(threads_for(Br))
 #pragma unroll
   for (int c0 = 0; c0 < D; c0 += Frag) { /* through Ss, a fragment's columns at a time */
     const float *dQ_i = stage_rows<Frag>(dq_acc + c0 / Frag, Ss, ld_s);
-    if (has_row) {
 #pragma unroll
-      for (int c = 0; c < Frag / LANES; c++)
-        dq[(bh * nq + i) * D + c0 + c * LANES + part] = T(scale * dQ_i[c * LANES]);
-    }
+    for (int c = 0; c < Frag / LANES; c++)
+      if (has_row) dq[(bh * nq + i) * D + c0 + c * LANES + part] = T(scale * dQ_i[c * LANES]);
   }
 }
 
