@@ -29,7 +29,7 @@ using namespace nvcuda;
 constexpr int Frag = 16, LANES = 32 / Frag;
 __host__ __device__ constexpr int threads_for(int rows) { return rows * LANES; }
 using FragAcc = wmma::fragment<wmma::accumulator, Frag, Frag, Frag, float>;
-/* Query rows per block: 4 warps share a K/V tile (2 blocks an SM, or ptxas spills at d >= 64) */
+/* Query rows per block: 4 warps share a K/V tile (forward: 2 blocks an SM, else d >= 64 spills) */
 constexpr int Br = 4 * Frag;
 /* Keys per tile: a tile's Bc scores are a register array per thread, so Bc is small;
  * 64 keys are 4 fragments, 32 scores a thread, and a warp's S is staged in 4 KiB. */
@@ -44,7 +44,7 @@ __host__ __device__ constexpr int padded(int cols) {
   return cols + Skew / (int)sizeof(E);
 }
 
-/* Shared memory: K, V (bc rows), `rows` rows of Q (or Q and dO), a staging and a P row a query. */
+/* Shared memory: K, V (bc rows), `rows` rows of Q (or Q, dO); per query an fp32 S/O and a P row */
 template <typename T>
 static constexpr size_t tile_bytes(int d, int bc, int rows) {
   return sizeof(T) * (2 * (size_t)bc + rows) * padded<T>(d) +
@@ -334,7 +334,7 @@ __global__ void __launch_bounds__(threads_for(BC))
       bool visible = r < rows && j < nkv && (!causal || j <= i0 + r + offset);
       /* P from the saved LSE; a masked entry is 0 (and exp is never asked for it, so a row
        * that sees no key, LSE = -inf, cannot make a NaN). */
-      /* P <= 1, but an fp32 LSE near 1e11 (bf16 inputs ~1e5) may be off by 4096: exp(4096) = inf */
+      /* P <= 1, but an fp32 LSE of logits near 1e11 is off by up to 4096: exp(4096) = inf */
       prob[c] = visible ? fminf(1.f, expf(scale * S_j[c * LANES] - lse_s[r])) : 0.f;
       Pt[key * ld_p + r] = T(prob[c]);
     }

@@ -12,9 +12,9 @@
  * does not say which lane holds which element of a fragment, so each thread reads its row of
  * a product from shared memory in stage 07. mma.sync.m16n8k16 and ldmatrix document theirs
  * (the PTX ISA, "Matrix Fragments for mma.m16n8k16"; drawn below), so S, P and O stay in
- * registers: a row's max and sum over the 4 lanes (a quad) that hold it, P (in the backward
- * P^T and dS^T) converted in place into an A operand, the scale folded into exp2, masks only
- * on the tiles that need them, and cp.async copying the next tile during this one's products.
+ * registers: a row's max and sum over the 4 lanes (a quad) that hold it, and P (backward: P^T
+ * and dS^T; the dQ kernel: dS) made into an A operand in place. Beside that: the scale folded
+ * into exp2, masks only on the tiles that need them, cp.async copying the next tile.
  * dQ gets its own pass instead of atomics from the dK/dV kernel: it recomputes S and dP
  * once more (7 d instead of 5 d multiply-adds per (i, j)), and in exchange every gradient
  * is written by exactly one thread, so the backward is deterministic.
@@ -179,8 +179,8 @@ __device__ void mma_tile(float (*acc)[N / MmaN][4], const unsigned (*a)[4], cons
   }
 }
 
-/* exp(x) = 2^(x log2 e) and log x = ln 2 log2 x: 2^x is one instruction (MUFU.EX2), 2^-inf = +0,
- * with a relative error (about 2^-22) far below the dtype's rounding of P. */
+/* exp(x) = 2^(x log2 e) and log x = ln 2 log2 x: 2^x is one instruction (MUFU.EX2), 2^-inf = +0;
+ * its relative error (about 2^-22) is far below the dtype's rounding of P. */
 constexpr float Log2e = 1.4426950408889634f, Ln2 = 0.6931471805599453f;
 __device__ float exp2_approx(float x) {
   float y;
@@ -279,9 +279,9 @@ __device__ void merge_block_stats(const float *m_blk, float scale_log2, float *m
 }
 
 /* p = 2^((s - m) scale log2(e)); l += p (the lane's columns: the quad's sums are added at the
- * end); acc += P V, each 16 keys' two S accumulators one A operand. Not FlashAttention's one
- * FFMA, 2^(s c - m c) with m c precomputed: m c is rounded, and for the row's largest element
- * s c - m c is that error, 4096 at logits of 1e11 (bf16 inputs near 1e5): 2^4096 = inf. */
+ * end); acc += P V, two S accumulators per 16 keys an A operand. Not FlashAttention's one
+ * FFMA, 2^(s c - m c) with m c precomputed: for the row's largest element s c - round(m c) is
+ * the rounding error, 4096 at logits of 1e11 (bf16 inputs near 1e5), and 2^4096 = inf. */
 template <int D, int BC, typename T>
 __device__ void compute_block_softmax_and_weighted_v(const float (*s)[BC / MmaN][4], const T *V,
                                                      float scale_log2, const float *m, float *l,
@@ -454,7 +454,7 @@ constexpr int Bc_bwd = 128;
 constexpr int Bc_bwd_small = 64;
 /* Query rows per tile of the dK/dV kernel: half its keys (64 rows, like Bc in the forward). */
 __host__ __device__ constexpr int rows_bwd(int bc) { return bc / 2; }
-/* The dQ kernel: 4 warps of 16 query rows, tiles of 32 keys, so that 3 blocks (68 KiB at
+/* The dQ kernel: 4 warps of 16 query rows, tiles of 32 keys, so that 3 blocks (68 KiB each at
  * d = 128) share an SM: backward +3 to +7% at d = 128, +2 to +3% at d = 64, against 64 keys. */
 constexpr int Br_dq = 4 * MmaM, Bc_dq = 32;
 static_assert(rows_bwd(Bc_bwd_small) % MmaK == 0 && Bc_dq % MmaK == 0, "whole k-steps");
@@ -464,8 +464,8 @@ static_assert(rows_bwd(Bc_bwd_small) % MmaK == 0 && Bc_dq % MmaK == 0, "whole k-
  * where dK and dV alone take 128 registers, 1. */
 __host__ __device__ constexpr int dkdv_blocks_per_sm(int d) { return d <= 64 ? 2 : 1; }
 /* Blocks of the dQ kernel that must fit an SM, with its Q and dO operands in registers: 4 at
- * d <= 64 (128 registers, no spill; uncapped 132, 3 blocks) and 3 at d = 128 (168, an 8-byte
- * spill; uncapped 178, 2 blocks). -DATTN_DQ_BLOCKS=N sets N at every d, to measure it. */
+ * d <= 64 (128 registers, no spill; at d = 64 uncapped 132, 3 blocks) and 3 at d = 128 (168,
+ * an 8-byte spill; uncapped 178, 2 blocks). -DATTN_DQ_BLOCKS=N sets N at every d. */
 #ifndef ATTN_DQ_BLOCKS
 #define ATTN_DQ_BLOCKS 0
 #endif

@@ -4,8 +4,8 @@
  * issues beside its products: tiles without padding, their 16-byte chunks permuted by XOR
  * with the row (`swizzle`: conflict-free, and a d = 128 forward block fits 96 KiB); copies
  * the compiler unrolls; the forward's K and V waited for separately, so V(t)'s copy overlaps
- * S = Q K(t)^T and K(t + 1)'s P V(t); in the backward, dQ by fp32 atomics from the dK/dV
- * kernel (ATTN_DETERMINISTIC=1 keeps 08's dQ kernel), and K, V operands reused.
+ * S = Q K(t)^T and K(t + 1)'s the softmax and P V(t); in the backward, dQ by fp32 atomics
+ * from the dK/dV kernel (ATTN_DETERMINISTIC=1 keeps 08's dQ kernel), K, V operands reused.
  */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -232,8 +232,8 @@ __device__ void mma_tile(float (*acc)[N / MmaN][4], const unsigned (*a)[4], cons
   }
 }
 
-/* exp(x) = 2^(x log2 e) and log x = ln 2 log2 x: 2^x is one instruction (MUFU.EX2), 2^-inf = +0,
- * with a relative error (about 2^-22) far below the dtype's rounding of P. */
+/* exp(x) = 2^(x log2 e) and log x = ln 2 log2 x: 2^x is one instruction (MUFU.EX2), 2^-inf = +0;
+ * its relative error (about 2^-22) is far below the dtype's rounding of P. */
 constexpr float Log2e = 1.4426950408889634f, Ln2 = 0.6931471805599453f;
 __device__ float exp2_approx(float x) {
   float y;
@@ -330,9 +330,9 @@ __device__ void merge_block_stats(const float *m_blk, float scale_log2, float *m
 }
 
 /* p = 2^((s - m) scale log2(e)); l += p (the lane's columns: the quad's sums are added at the
- * end); acc += P V, each 16 keys' two S accumulators one A operand. Not FlashAttention's one
- * FFMA, 2^(s c - m c) with m c precomputed: m c is rounded, and for the row's largest element
- * s c - m c is that error, 4096 at logits of 1e11 (bf16 inputs near 1e5): 2^4096 = inf. */
+ * end); acc += P V, two S accumulators per 16 keys an A operand. Not FlashAttention's one
+ * FFMA, 2^(s c - m c) with m c precomputed: for the row's largest element s c - round(m c) is
+ * the rounding error, 4096 at logits of 1e11 (bf16 inputs near 1e5), and 2^4096 = inf. */
 template <int D, int BC, typename T>
 __device__ void compute_block_softmax_and_weighted_v(const float (*s)[BC / MmaN][4], const T *V,
                                                      float scale_log2, const float *m, float *l,
@@ -444,7 +444,7 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
   int offset = nkv - nq, last_row = min(i0 + Br, nq) - 1;
   int kv_end = causal ? max(0, min(nkv, last_row + offset + 1)) : nkv;
   /* K(t) and V(t) in copy groups of their own (Q joins K(0)'s), so that each product waits
-   * only for its operand. -DATTN_SPLIT_WAITS=0 waits for both at the top of a tile, as 08. */
+   * only for its operand. -DATTN_SPLIT_WAITS=0 waits for both at a tile's top, as 08 does. */
   constexpr bool split = ATTN_SPLIT_WAITS;
   if (kv_end > 0) load_tile<D, BC, Threads>(K, min(BC, nkv), Ks);
   __pipeline_commit();
@@ -536,7 +536,7 @@ __host__ __device__ constexpr int query_steps(int d) {
 #endif
 constexpr int WarpKeys = ATTN_BWD_WARP_KEYS;
 static_assert(WarpKeys % MmaM == 0, "whole fragments of keys");
-/* Warps that share a group of WarpKeys keys: at d <= 64 one, dK, dV, P^T and dS^T all in
+/* Warps that share a group of WarpKeys keys: at d <= 64 one, with dK, dV, P^T, dS^T in
  * registers; at d = 128, where dK and dV of 32 keys would take 256 registers, two, which
  * split the work through shared memory (FlashAttention-2's split; see the dK/dV kernel). */
 __host__ __device__ constexpr int key_group_warps(int d) {
@@ -547,18 +547,18 @@ __host__ __device__ constexpr int dkdv_threads(int d, int bc) {
 }
 /* Query rows per tile of the dK/dV kernel: half its keys (64 rows, like Bc in the forward). */
 __host__ __device__ constexpr int rows_bwd(int bc) { return bc / 2; }
-/* The dQ kernel: 4 warps of 16 query rows, tiles of 32 keys, so that 3 blocks (68 KiB at
+/* The dQ kernel: 4 warps of 16 query rows, tiles of 32 keys, so that 3 blocks (68 KiB each at
  * d = 128) share an SM: backward +3 to +7% at d = 128, +2 to +3% at d = 64, against 64 keys. */
 constexpr int Br_dq = 4 * MmaM, Bc_dq = 32;
 static_assert(rows_bwd(Bc_bwd_small) % MmaK == 0 && Bc_dq % MmaK == 0, "whole k-steps");
 
 /* Blocks of the dK/dV kernel that must fit an SM, which caps its registers: at d <= 64, 2
- * blocks of 4 warps (up to 255 registers: dK and dV of 32 keys take 64); at d = 128, 1 of 8. */
+ * blocks of 4 warps (up to 255 registers: dK and dV of 32 keys take 128); at d = 128, 1 of 8. */
 __host__ __device__ constexpr int dkdv_blocks_per_sm(int d) { return d <= 64 ? 2 : 1; }
 /* Blocks of the dQ kernel that must fit an SM, with its Q and dO operands in registers: 4 at
- * d <= 64 (128 registers, an 8-byte spill, 08's none; uncapped 132, 3 blocks) and 3 at d = 128
- * (168, a 108-byte spill, 08's 8; uncapped 178, 2 blocks). -DATTN_DQ_BLOCKS=N sets N at every
- * d, to measure it. */
+ * d <= 64 (128 registers, an 8-byte spill, 08's none; at d = 64 uncapped 132, 3 blocks) and 3
+ * at d = 128 (168, a 108-byte spill, 08's 8; uncapped 178, 2 blocks). -DATTN_DQ_BLOCKS=N sets
+ * N at every d. */
 #ifndef ATTN_DQ_BLOCKS
 #define ATTN_DQ_BLOCKS 0
 #endif
@@ -568,8 +568,8 @@ __host__ __device__ constexpr int dq_blocks_per_sm(int d) {
 
 /* dQ's atomics on sm_90 and later: a lane adds its two adjacent columns as one float2, so a
  * warp's atomic fills 8 whole 32-byte sectors of L2 where two of single floats send them half
- * full: backward +17 to +22% (a float4 over two lanes: 0 to 1% slower). -DATTN_PAIRED_ATOMICS=0
- * adds single floats, as sm_80 (no vector atomics) always does. */
+ * full: backward +17 to +22% (a float4 over two lanes: 0 to 1% slower at d = 128).
+ * -DATTN_PAIRED_ATOMICS=0 adds single floats, as sm_80 (no vector atomics) always does. */
 #ifndef ATTN_PAIRED_ATOMICS
 #define ATTN_PAIRED_ATOMICS 1
 #endif
@@ -641,10 +641,10 @@ __device__ void probabilities_and_ds(const float *s, const float *dp, float scal
 }
 
 /* dQ += dS K for one query tile of the dK/dV kernel (dS read transposed from dS^T in shared
- * memory): warp w takes 32 queries and Cols columns (4 ldmatrix.x4 for 8 mma.sync, where 16 x
- * 64 read 5: backward +2 to +4% at d = 64) and adds them into the fp32 dQ by atomics, rows past
- * `rows` left out. Other key blocks add into the same rows in no fixed order, so dQ's last
- * bits change from run to run; ATTN_DETERMINISTIC=1 runs the dQ kernel instead. */
+ * memory): warp w takes 32 queries and Cols columns (at 32 x 32, 4 ldmatrix.x4 for 8 mma.sync;
+ * 16 x 64 read 5: backward +2 to +4% at d = 64) and adds them into the fp32 dQ by atomics,
+ * rows past `rows` left out. Other key blocks add into the same rows in no fixed order, so
+ * dQ's last bits change from run to run; ATTN_DETERMINISTIC=1 runs the dQ kernel instead. */
 template <int D, int BC, typename T>
 __device__ void accumulate_dq(const T *dSt, const T *Ks, float *dq_accum, int rows) {
   constexpr int Br_bwd = rows_bwd(BC), Warps = dkdv_threads(D, BC) / 32;
