@@ -38,7 +38,7 @@ constexpr int Bc = 64;
  * or two banks, where the rows of a fragment load would queue; 16 bytes shift a row 4 banks.
  * padded<E>(cols) is the leading dimension of a tile of `cols` elements of E per row. */
 constexpr int Skew = 16;
-static_assert(Skew % 16 == 0, "rows stay 16-byte aligned: float4 copies, WMMA's leading dim");
+static_assert(Skew % 16 == 0, "rows stay 16-byte aligned for 16-byte copies and fragment loads");
 template <typename E>
 __host__ __device__ constexpr int padded(int cols) {
   return cols + Skew / (int)sizeof(E);
@@ -71,8 +71,7 @@ __device__ void load_kv_tile(const T *K, const T *V, int cols, T *Ks, T *Vs) {
   load_tile<D, ROWS>(K, cols, Ks), load_tile<D, ROWS>(V, cols, Vs);
 }
 
-/* acc (16 x N) += A (16 x K) B (K x N), A the warp's 16 rows of a block tile, A and B in shared
- * memory. A col_major B is read from the rows of an N x K tile: S = Q K^T reads K's rows. */
+/* acc (16 x N) += A B, A the warp's 16 rows; a col_major B is the rows of an N x K tile (K's) */
 template <typename Layout, int N, int K, typename T>
 __device__ void mma_tile(FragAcc *acc, const T *A, int lda, const T *B, int ldb) {
   static_assert(N % Frag == 0 && K % Frag == 0, "whole fragments");

@@ -11,10 +11,9 @@
  * A warp multiplies its rows on tensor cores (fp16 or bf16 in, fp32 accumulation). WMMA
  * does not say which lane holds which element of a fragment, so each thread reads its row of
  * a product from shared memory in stage 07. mma.sync.m16n8k16 and ldmatrix document theirs
- * (the PTX ISA, "Matrix Fragments for mma.m16n8k16"; drawn below), so S, P and O stay in
- * registers: a row's max and sum over the 4 lanes (a quad) that hold it, and P (backward: P^T
- * and dS^T; the dQ kernel: dS) made into an A operand in place. Beside that: the scale folded
- * into exp2, masks only on the tiles that need them, cp.async copying the next tile.
+ * (the PTX ISA; drawn below), so S, P and O stay in registers: a row's max and sum over the 4
+ * lanes (a quad) holding it, P (or dS, P^T, dS^T) made an A operand in place. Beside that:
+ * exp2 with the scale folded in, masks only where needed, cp.async copying the next tile.
  * dQ gets its own pass instead of atomics from the dK/dV kernel: it recomputes S and dP
  * once more (7 d instead of 5 d multiply-adds per (i, j)), and in exchange every gradient
  * is written by exactly one thread, so the backward is deterministic.
@@ -53,12 +52,8 @@ constexpr int Quad = 4; /* lanes that share a row */
 /* A warp's query rows in the forward, in fragments: at d = 128 two, so that each K and V
  * operand loaded feeds two mma.sync; at d <= 64 one, which leaves registers for two blocks of
  * 8 warps an SM. Measured (H100, fp16, N = 4096 and 16384, forward TFLOP/s): at d = 128, 32
- * rows a warp 251-267 against 16 rows 202-213; at d = 64, 16 rows (Q in registers) 216-231
- * against 32 rows 209-222. */
+ * rows a warp 251-267 against 16 rows 202-213; at d = 64, 32 rows 5% slower than 16. */
 __host__ __device__ constexpr int row_frags(int d) { return d > 64 ? 2 : 1; }
-/* Where Q's A operands live: at d <= 64 in registers, loaded once (16 a lane); at d = 128
- * they would take 64 registers beside S and O, so they are reloaded from shared memory. */
-__host__ __device__ constexpr bool q_in_registers(int d) { return d <= 64; }
 __host__ __device__ constexpr int threads_for(int rows, int f = 1) { return rows / f / MmaM * 32; }
 /* Query rows per block: 128, so that each K and V tile copied into shared memory serves 128
  * rows (8 warps of 16 rows, or 4 of 32). */
@@ -77,14 +72,13 @@ static_assert(Bc_small % MmaK == 0, "a tile of keys is whole k-steps of P V");
  * or two banks, where the rows of a fragment load would queue; 16 bytes shift a row 4 banks.
  * padded<E>(cols) is the leading dimension of a tile of `cols` elements of E per row. */
 constexpr int Skew = 16;
-static_assert(Skew % 16 == 0, "rows stay 16-byte aligned: cp.async and ldmatrix move 16 bytes");
+static_assert(Skew % 16 == 0, "rows stay 16-byte aligned for 16-byte copies and fragment loads");
 template <typename E>
 __host__ __device__ constexpr int padded(int cols) {
   return cols + Skew / (int)sizeof(E);
 }
 
-/* Shared memory of a block walking tiles of bc keys: the double-buffered K and V tiles and
- * `rows` rows of queries (the forward's Q; the dQ kernel's Q and dO), nothing staged. */
+/* Shared memory: K and V (bc rows, double-buffered), `rows` rows of Q (or Q, dO); none staged */
 template <typename T>
 static constexpr size_t tile_bytes(int d, int bc, int rows) {
   return sizeof(T) * (4 * (size_t)bc + rows) * padded<T>(d);
@@ -213,19 +207,16 @@ __device__ float sum_over_quad(float x) {
  * the keys is masked: past row h's first `cols` (diagonal: `visible + 8 h`) keys, -inf.
  * m_blk[h] is row h's max over the tile and the quad. */
 template <int D, int BC, typename T>
-__device__ void compute_qk_scores_and_max(const T *Q, const unsigned (*q_frag)[4], const T *K,
-                                          int cols, bool diagonal, int visible,
-                                          float (*s)[BC / MmaN][4], float *m_blk) {
+__device__ void compute_qk_scores_and_max(const T *Q, const T *K, int cols, bool diagonal,
+                                          int visible, float (*s)[BC / MmaN][4], float *m_blk) {
   constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
 #pragma unroll
   for (int kk = 0; kk < D / MmaK; kk++) {
     unsigned a[RowFrags][4];
-    if (!q_in_registers(D))
 #pragma unroll
-      for (int f = 0; f < RowFrags; f++)
-        ldmatrix_x4(a[f], a_operand(Q + f * MmaM * padded<T>(D) + kk * MmaK, padded<T>(D)));
-    mma_tile<false, BC, RowFrags>(s, q_in_registers(D) ? q_frag + kk : a, K + kk * MmaK,
-                                  padded<T>(D));
+    for (int f = 0; f < RowFrags; f++)
+      ldmatrix_x4(a[f], a_operand(Q + f * MmaM * padded<T>(D) + kk * MmaK, padded<T>(D)));
+    mma_tile<false, BC, RowFrags>(s, a, K + kk * MmaK, padded<T>(D));
   }
   /* A compare and a select per element: at d <= 64 a branch skips them on unmasked tiles; at
    * d = 128 they stay predicated in the max's loop (the branch would cost 60 bytes of spills). */
@@ -279,9 +270,8 @@ __device__ void merge_block_stats(const float *m_blk, float scale_log2, float *m
 }
 
 /* p = 2^((s - m) scale log2(e)); l += p (the lane's columns: the quad's sums are added at the
- * end); acc += P V, two S accumulators per 16 keys an A operand. Not FlashAttention's one
- * FFMA, 2^(s c - m c) with m c precomputed: for the row's largest element s c - round(m c) is
- * the rounding error, 4096 at logits of 1e11 (bf16 inputs near 1e5), and 2^4096 = inf. */
+ * end); acc += P V, two S accumulators per 16 keys an A operand. (Not one FFMA, s c - m c with
+ * m c rounded apart: at logits near 1e11 that rounding alone is 4096, and 2^4096 = inf.) */
 template <int D, int BC, typename T>
 __device__ void compute_block_softmax_and_weighted_v(const float (*s)[BC / MmaN][4], const T *V,
                                                      float scale_log2, const float *m, float *l,
@@ -371,7 +361,6 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
   const T *Qw = Qs + (row0 - i0) * padded<T>(D); /* the warp's rows */
   float acc[RowFrags][D / MmaN][4] = {};
   float m[LaneRows], l[LaneRows], m_blk[LaneRows];
-  unsigned q_frag[q_in_registers(D) ? D / MmaK : 1][4];
 #pragma unroll
   for (int h = 0; h < LaneRows; h++) m[h] = -INFINITY, l[h] = 0.f;
   load_tile<D, Br>(q + (bh * nq + i0) * D, min(Br, nq - i0), Qs);
@@ -394,25 +383,21 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
   __pipeline_commit();
   for (int j0 = 0, buf = 0; j0 < kv_end; j0 += BC, buf ^= 1) {
     int cols = min(BC, nkv - j0), next = j0 + BC;
+    /* A tile past the first row's limit crosses the diagonal: each row keeps the columns it
+     * sees, [j0, i + offset], which may be none. */
+    bool diagonal = causal && j0 + cols - 1 > row0 + offset;
     if (next < kv_end)
       load_kv_tile<D, BC>(K + (long)next * D, V + (long)next * D, min(BC, nkv - next),
                           Ks + (buf ^ 1) * BC * padded<T>(D), Vs + (buf ^ 1) * BC * padded<T>(D));
     __pipeline_commit();
     __pipeline_wait_prior(1);
     __syncthreads(); /* RAW: the whole tile (the first time, Q too) is in shared memory */
-    /* A tile past the first row's limit crosses the diagonal: each row keeps the columns it
-     * sees, [j0, i + offset], which may be none. */
-    bool diagonal = causal && j0 + cols - 1 > row0 + offset;
     const T *Kt = Ks + buf * BC * padded<T>(D), *Vt = Vs + buf * BC * padded<T>(D);
     float s[RowFrags][BC / MmaN][4] = {};
-    if (q_in_registers(D) && j0 == 0) /* Q has landed: its operands, once */
-#pragma unroll
-      for (int kk = 0; kk < D / MmaK; kk++)
-        ldmatrix_x4(q_frag[kk], a_operand(Qw + kk * MmaK, padded<T>(D)));
-    compute_qk_scores_and_max<D, BC>(Qw, q_frag, Kt, cols, diagonal, i + offset + 1 - j0, s, m_blk);
+    compute_qk_scores_and_max<D, BC>(Qw, Kt, cols, diagonal, i + offset + 1 - j0, s, m_blk);
     merge_block_stats<D>(m_blk, scale_log2, m, l, acc);
     compute_block_softmax_and_weighted_v<D, BC>(s, Vt, scale_log2, m, l, acc);
-    __syncthreads(); /* WAR: every warp is done with buffer `buf` before tile t + 2 fills it */
+    __syncthreads(); /* WAR: every row is done with the tile before the next load overwrites it */
   }
   __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
   normalize_output<D>(acc, m, l, scale_log2, o + (bh * nq + row0) * D, lse + bh * nq + row0,
@@ -465,13 +450,8 @@ static_assert(rows_bwd(Bc_bwd_small) % MmaK == 0 && Bc_dq % MmaK == 0, "whole k-
 __host__ __device__ constexpr int dkdv_blocks_per_sm(int d) { return d <= 64 ? 2 : 1; }
 /* Blocks of the dQ kernel that must fit an SM, with its Q and dO operands in registers: 4 at
  * d <= 64 (128 registers, no spill; at d = 64 uncapped 132, 3 blocks) and 3 at d = 128 (168,
- * an 8-byte spill; uncapped 178, 2 blocks). -DATTN_DQ_BLOCKS=N sets N at every d. */
-#ifndef ATTN_DQ_BLOCKS
-#define ATTN_DQ_BLOCKS 0
-#endif
-__host__ __device__ constexpr int dq_blocks_per_sm(int d) {
-  return ATTN_DQ_BLOCKS ? ATTN_DQ_BLOCKS : d <= 64 ? 4 : 3;
-}
+ * an 8-byte spill; uncapped 178, 2 blocks). */
+__host__ __device__ constexpr int dq_blocks_per_sm(int d) { return d <= 64 ? 4 : 3; }
 
 static size_t backward_workspace(const attn_problem *p) {
   return sizeof(float) * attn_lse_elems(p);
@@ -513,8 +493,7 @@ __device__ void load_row_stats(const float *lse, const float *delta, int rows, i
 /* P = 2^(s scale log2(e) - LSE) (LSE in log2 units) and dS = P (dP - D) for the four
  * elements of an accumulator, as half an A operand (out[0] rows 0-7, out[1] rows 8-15). A
  * masked element is 0 without exp2, so a row that sees no key (LSE = -inf) makes no NaN. The
- * clamp P <= 1: an fp32 LSE of logits near 1e11 (bf16 inputs near 1e5) is known only to about
- * 4096, and 2^4096 = inf would make the gradients NaN. */
+ * clamp P <= 1: an fp32 LSE of logits near 1e11 is known only to about 4096 (2^4096 = inf). */
 template <typename T>
 __device__ void probabilities_and_ds(const float *s, const float *dp, float scale_log2,
                                      const float *lse, const float *delta, const bool *visible,
@@ -549,10 +528,10 @@ __global__ void __launch_bounds__(threads_for(BC), dkdv_blocks_per_sm(D))
   long bh = blockIdx.x / key_blocks;
   int g = threadIdx.x % 32 / Quad, tq = threadIdx.x % Quad;
   int j0 = (int)(blockIdx.x % key_blocks) * BC, jw = j0 + threadIdx.x / 32 * MmaM;
-  int offset = nkv - nq;
+  int cols = min(BC, nkv - j0), offset = nkv - nq;
   const T *Kw = Ks + (jw - j0) * ld, *Vw = Vs + (jw - j0) * ld; /* the warp's 16 keys */
   const T *Q = q + bh * nq * D, *dO = d_o + bh * nq * D;
-  load_kv_tile<D, BC>(k + (bh * nkv + j0) * D, v + (bh * nkv + j0) * D, min(BC, nkv - j0), Ks, Vs);
+  load_kv_tile<D, BC>(k + (bh * nkv + j0) * D, v + (bh * nkv + j0) * D, cols, Ks, Vs);
   float dk_acc[1][D / MmaN][4] = {}, dv_acc[1][D / MmaN][4] = {};
   const float scale_log2 = scale * Log2e;
   /* Under the causal mask the first query that sees key j0 is j0 - offset: the query tiles
@@ -704,7 +683,7 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
       }
       mma_tile<true, D>(dq_acc, &ds_frag, Kt + n2 * 16 * ld, ld);
     }
-    __syncthreads(); /* WAR: every warp is done with buffer `buf` before tile t + 2 fills it */
+    __syncthreads(); /* WAR: every row is done with the tile before the next load overwrites it */
   }
   __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
   const float dq_factor[2] = {scale, scale};

@@ -86,7 +86,7 @@ static_assert(Bc_small % MmaK == 0, "a tile of keys is whole k-steps of P V");
 #define ATTN_SPLIT_WAITS 1
 #endif
 constexpr int Skew = ATTN_SWIZZLE ? 0 : 16; /* bytes of padding per row */
-static_assert(Skew % 16 == 0, "rows stay 16-byte aligned: cp.async and ldmatrix move 16 bytes");
+static_assert(Skew % 16 == 0, "rows stay 16-byte aligned for 16-byte copies and fragment loads");
 template <typename E>
 __host__ __device__ constexpr int padded(int cols) {
   return cols + Skew / (int)sizeof(E);
@@ -102,8 +102,7 @@ __host__ __device__ constexpr int swizzle(int row, int col) {
   return row * padded<T>(D) + c;
 }
 
-/* Shared memory of a block walking tiles of bc keys: the double-buffered K and V tiles and
- * `rows` rows of queries (the forward's Q; the dQ kernel's Q and dO), nothing staged. */
+/* Shared memory: K and V (bc rows, double-buffered), `rows` rows of Q (or Q, dO); none staged */
 template <typename T>
 static constexpr size_t tile_bytes(int d, int bc, int rows) {
   return sizeof(T) * (4 * (size_t)bc + rows) * padded<T>(d);
@@ -330,9 +329,8 @@ __device__ void merge_block_stats(const float *m_blk, float scale_log2, float *m
 }
 
 /* p = 2^((s - m) scale log2(e)); l += p (the lane's columns: the quad's sums are added at the
- * end); acc += P V, two S accumulators per 16 keys an A operand. Not FlashAttention's one
- * FFMA, 2^(s c - m c) with m c precomputed: for the row's largest element s c - round(m c) is
- * the rounding error, 4096 at logits of 1e11 (bf16 inputs near 1e5), and 2^4096 = inf. */
+ * end); acc += P V, two S accumulators per 16 keys an A operand. (Not one FFMA, s c - m c with
+ * m c rounded apart: at logits near 1e11 that rounding alone is 4096, and 2^4096 = inf.) */
 template <int D, int BC, typename T>
 __device__ void compute_block_softmax_and_weighted_v(const float (*s)[BC / MmaN][4], const T *V,
                                                      float scale_log2, const float *m, float *l,
@@ -624,8 +622,7 @@ __device__ void load_row_stats(const float *lse, const float *delta, int rows, i
 /* P = 2^(s scale log2(e) - LSE) (LSE in log2 units) and dS = P (dP - D) for the four
  * elements of an accumulator, as half an A operand (out[0] rows 0-7, out[1] rows 8-15). A
  * masked element is 0 without exp2, so a row that sees no key (LSE = -inf) makes no NaN. The
- * clamp P <= 1: an fp32 LSE of logits near 1e11 (bf16 inputs near 1e5) is known only to about
- * 4096, and 2^4096 = inf would make the gradients NaN. */
+ * clamp P <= 1: an fp32 LSE of logits near 1e11 is known only to about 4096 (2^4096 = inf). */
 template <typename T>
 __device__ void probabilities_and_ds(const float *s, const float *dp, float scale_log2,
                                      const float *lse, const float *delta, const bool *visible,
@@ -924,7 +921,7 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
       }
       mma_tile<D, true, D>(dq_acc, &ds_frag, Kt, n2 * 16, 0);
     }
-    __syncthreads(); /* WAR: every warp is done with buffer `buf` before tile t + 2 fills it */
+    __syncthreads(); /* WAR: every row is done with the tile before the next load overwrites it */
   }
   __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
   const float dq_factor[2] = {scale, scale};
