@@ -52,7 +52,7 @@ constexpr int Quad = 4; /* lanes that share a row */
 /* A warp's query rows in the forward, in fragments: at d = 128 two, so that each K and V
  * operand loaded feeds two mma.sync; at d <= 64 one, which leaves registers for two blocks of
  * 8 warps an SM. Measured (H100, fp16, N = 4096 and 16384, forward TFLOP/s): at d = 128, 32
- * rows a warp 251-267 against 16 rows 202-213; at d = 64, 32 rows 5% slower than 16. */
+ * rows a warp 251-267 against 16 rows 202-213; at d = 64, 32 rows 4-5% slower than 16. */
 __host__ __device__ constexpr int row_frags(int d) { return d > 64 ? 2 : 1; }
 __host__ __device__ constexpr int threads_for(int rows, int f = 1) { return rows / f / MmaM * 32; }
 /* Query rows per block: 128, so that each K and V tile copied into shared memory serves 128
