@@ -120,52 +120,63 @@ __device__ void mma_m16n8k16(float *c, const unsigned *a, const unsigned *b, __n
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-/* volatile: a load from shared memory must stay between the barriers that guard it. */
-__device__ void ldmatrix_x4(unsigned *r, const void *row_address) {
+/* volatile: a load from shared memory must stay between the barriers that guard it. The
+ * address is a shared-memory address (the operand helpers below make it). */
+__device__ void ldmatrix_x4(unsigned *r, unsigned address) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"((unsigned)__cvta_generic_to_shared(row_address)));
+               : "r"(address));
 }
-__device__ void ldmatrix_x4_trans(unsigned *r, const void *row_address) {
+__device__ void ldmatrix_x4_trans(unsigned *r, unsigned address) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"((unsigned)__cvta_generic_to_shared(row_address)));
+               : "r"(address));
 }
 
-/* The row of a 16 x 16 tile (row-major, leading dimension ld) this lane points ldmatrix.x4 at,
+/* The shared-memory address of element (row + lane_row, col + lane_col) of a tile of D-element
+ * padded rows: the lane's address is computed once, and (row, col), constants where the loops
+ * are unrolled, an immediate the loads fold in. */
+template <int D, typename T>
+__device__ unsigned operand_address(const T *tile, int lane_row, int lane_col, int row, int col) {
+  unsigned lane = (unsigned)__cvta_generic_to_shared(tile + lane_row * padded<T>(D) + lane_col);
+  return lane + (row * padded<T>(D) + col) * sizeof(T);
+}
+
+/* The row of the 16 x 16 tile at (row, col) of a larger tile this lane points ldmatrix.x4 at,
  * so that its four 8 x 8 blocks arrive in the registers' order of the picture above: a[0..3]
  * for a_operand (the tile is A, rows x k); b[0..1] of columns 0-7, then of columns 8-15, for
  * b_operand (the tile is B transposed, a row per column: K in S = Q K^T) and b_operand_trans
  * (the tile is B, k down: V in O = P V, read with .trans). */
-template <typename T>
-__device__ const T *a_operand(const T *tile, int ld) {
+template <int D, typename T>
+__device__ unsigned a_operand(const T *tile, int row, int col) {
   int lane = threadIdx.x % 32;
-  return tile + (lane % 16) * ld + lane / 16 * 8;
+  return operand_address<D>(tile, lane % 16, lane / 16 * 8, row, col);
 }
-template <typename T>
-__device__ const T *b_operand(const T *tile, int ld) {
+template <int D, typename T>
+__device__ unsigned b_operand(const T *tile, int row, int col) {
   int lane = threadIdx.x % 32;
-  return tile + (lane / 16 * 8 + lane % 8) * ld + lane / 8 % 2 * 8;
+  return operand_address<D>(tile, lane / 16 * 8 + lane % 8, lane / 8 % 2 * 8, row, col);
 }
-template <typename T>
-__device__ const T *b_operand_trans(const T *tile, int ld) {
+template <int D, typename T>
+__device__ unsigned b_operand_trans(const T *tile, int row, int col) {
   int lane = threadIdx.x % 32;
-  return tile + (lane / 8 % 2 * 8 + lane % 8) * ld + lane / 16 * 8;
+  return operand_address<D>(tile, lane / 8 % 2 * 8 + lane % 8, lane / 16 * 8, row, col);
 }
 
 /* acc (FRAGS x 16 rows, N columns) += A B for one k-step of 16: a[f] is the A operand of the
  * rows of fragment f, and each B operand, loaded from shared memory once, feeds every fragment.
  * B is read from the rows of an N x 16 tile (K in S = Q K^T), or with TRANS from a 16 x N tile
- * (V in O = P V). */
-template <bool TRANS, int N, int FRAGS = 1, typename T>
-__device__ void mma_tile(float (*acc)[N / MmaN][4], const unsigned (*a)[4], const T *B, int ld) {
+ * (V in O = P V), at (row, col) of a tile of D-element rows. */
+template <int D, bool TRANS, int N, int FRAGS = 1, typename T>
+__device__ void mma_tile(float (*acc)[N / MmaN][4], const unsigned (*a)[4], const T *B, int row,
+                         int col) {
 #pragma unroll
   for (int n2 = 0; n2 < N / 16; n2++) { /* 16 columns: two accumulators per fragment */
     unsigned b[4];
     if constexpr (TRANS)
-      ldmatrix_x4_trans(b, b_operand_trans(B + n2 * 16, ld));
+      ldmatrix_x4_trans(b, b_operand_trans<D>(B, row, col + n2 * 16));
     else
-      ldmatrix_x4(b, b_operand(B + n2 * 16 * ld, ld));
+      ldmatrix_x4(b, b_operand<D>(B, row + n2 * 16, col));
 #pragma unroll
     for (int f = 0; f < FRAGS; f++)
       mma_m16n8k16(acc[f][2 * n2], a[f], b, T()),
@@ -214,9 +225,8 @@ __device__ void compute_qk_scores_and_max(const T *Q, const T *K, int cols, bool
   for (int kk = 0; kk < D / MmaK; kk++) {
     unsigned a[RowFrags][4];
 #pragma unroll
-    for (int f = 0; f < RowFrags; f++)
-      ldmatrix_x4(a[f], a_operand(Q + f * MmaM * padded<T>(D) + kk * MmaK, padded<T>(D)));
-    mma_tile<false, BC, RowFrags>(s, a, K + kk * MmaK, padded<T>(D));
+    for (int f = 0; f < RowFrags; f++) ldmatrix_x4(a[f], a_operand<D>(Q, f * MmaM, kk * MmaK));
+    mma_tile<D, false, BC, RowFrags>(s, a, K, 0, kk * MmaK);
   }
   /* A compare and a select per element: at d <= 64 a branch skips them on unmasked tiles; at
    * d = 128 they stay predicated in the max's loop (the branch would cost 60 bytes of spills). */
@@ -297,7 +307,7 @@ __device__ void compute_block_softmax_and_weighted_v(const float (*s)[BC / MmaN]
         p_frag[f][2 * half] = pack2(p[0], p[1], T());     /* rows 0-7 */
         p_frag[f][2 * half + 1] = pack2(p[2], p[3], T()); /* rows 8-15 */
       }
-    mma_tile<true, D, RowFrags>(acc, p_frag, V + kk * MmaK * padded<T>(D), padded<T>(D));
+    mma_tile<D, true, D, RowFrags>(acc, p_frag, V, kk * MmaK, 0);
   }
 }
 
@@ -565,10 +575,10 @@ __global__ void __launch_bounds__(threads_for(BC), dkdv_blocks_per_sm(D))
 #pragma unroll
       for (int kk = 0; kk < D / MmaK; kk++) {
         unsigned a[4];
-        ldmatrix_x4(a, a_operand(Kw + kk * MmaK, ld));
-        mma_tile<false, 16>(&s, &a, Qt + n2 * 16 * ld + kk * MmaK, ld);
-        ldmatrix_x4(a, a_operand(Vw + kk * MmaK, ld));
-        mma_tile<false, 16>(&dp, &a, dOt + n2 * 16 * ld + kk * MmaK, ld);
+        ldmatrix_x4(a, a_operand<D>(Kw, 0, kk * MmaK));
+        mma_tile<D, false, 16>(&s, &a, Qt, n2 * 16, kk * MmaK);
+        ldmatrix_x4(a, a_operand<D>(Vw, 0, kk * MmaK));
+        mma_tile<D, false, 16>(&dp, &a, dOt, n2 * 16, kk * MmaK);
       }
       unsigned p_frag[4], ds_frag[4];
 #pragma unroll
@@ -589,10 +599,10 @@ __global__ void __launch_bounds__(threads_for(BC), dkdv_blocks_per_sm(D))
 #pragma unroll
       for (int c2 = 0; c2 < D / 16; c2++) {
         unsigned b[4];
-        ldmatrix_x4_trans(b, b_operand_trans(dOt + n2 * 16 * ld + c2 * 16, ld));
+        ldmatrix_x4_trans(b, b_operand_trans<D>(dOt, n2 * 16, c2 * 16));
         mma_m16n8k16(dv_acc[0][2 * c2], p_frag, b, T());
         mma_m16n8k16(dv_acc[0][2 * c2 + 1], p_frag, b + 2, T());
-        ldmatrix_x4_trans(b, b_operand_trans(Qt + n2 * 16 * ld + c2 * 16, ld));
+        ldmatrix_x4_trans(b, b_operand_trans<D>(Qt, n2 * 16, c2 * 16));
         mma_m16n8k16(dk_acc[0][2 * c2], ds_frag, b, T());
         mma_m16n8k16(dk_acc[0][2 * c2 + 1], ds_frag, b + 2, T());
       }
@@ -656,8 +666,8 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
     if (j0 == 0) /* Q and dO have landed: their operands, once */
 #pragma unroll
       for (int kk = 0; kk < D / MmaK; kk++)
-        ldmatrix_x4(q_frag[kk], a_operand(Qw + kk * MmaK, ld)),
-            ldmatrix_x4(do_frag[kk], a_operand(dOw + kk * MmaK, ld));
+        ldmatrix_x4(q_frag[kk], a_operand<D>(Qw, 0, kk * MmaK)),
+            ldmatrix_x4(do_frag[kk], a_operand<D>(dOw, 0, kk * MmaK));
     /* Only a tile past the end of the keys or rows, or crossing the warp's diagonal, is masked. */
     bool masked = j0 + Bc > nkv || iw + MmaM > nq || (causal && j0 + Bc - 1 > iw + offset);
 #pragma unroll
@@ -665,8 +675,8 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
       float s[2][4] = {}, dp[2][4] = {};
 #pragma unroll
       for (int kk = 0; kk < D / MmaK; kk++) {
-        mma_tile<false, 16>(&s, q_frag + kk, Kt + n2 * 16 * ld + kk * MmaK, ld);
-        mma_tile<false, 16>(&dp, do_frag + kk, Vt + n2 * 16 * ld + kk * MmaK, ld);
+        mma_tile<D, false, 16>(&s, q_frag + kk, Kt, n2 * 16, kk * MmaK);
+        mma_tile<D, false, 16>(&dp, do_frag + kk, Vt, n2 * 16, kk * MmaK);
       }
       unsigned p_frag[4], ds_frag[4];
 #pragma unroll
@@ -681,7 +691,7 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
         probabilities_and_ds<T>(s[half], dp[half], scale_log2, lse_e, delta_e, visible,
                                 p_frag + 2 * half, ds_frag + 2 * half);
       }
-      mma_tile<true, D>(dq_acc, &ds_frag, Kt + n2 * 16 * ld, ld);
+      mma_tile<D, true, D>(dq_acc, &ds_frag, Kt, n2 * 16, 0);
     }
     __syncthreads(); /* WAR: every row is done with the tile before the next load overwrites it */
   }
