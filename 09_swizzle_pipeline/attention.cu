@@ -48,8 +48,14 @@ constexpr int Quad = 4; /* lanes that share a row */
 #endif
 __host__ __device__ constexpr int row_frags(int d) { return d > 64 ? 2 : ATTN_ROW_FRAGS; }
 /* Where Q's A operands live: at d <= 64 in registers, loaded once (16 a lane); at d = 128
- * they would take 64 registers beside S and O, so they are reloaded from shared memory. */
-__host__ __device__ constexpr bool q_in_registers(int d) { return row_frags(d) == 1; }
+ * they would take 64 registers beside S and O, so they are reloaded from shared memory.
+ * -DATTN_Q_IN_REGISTERS=0 reloads them every tile at every d, as 08 does. */
+#ifndef ATTN_Q_IN_REGISTERS
+#define ATTN_Q_IN_REGISTERS 1
+#endif
+__host__ __device__ constexpr bool q_in_registers(int d) {
+  return ATTN_Q_IN_REGISTERS && row_frags(d) == 1;
+}
 __host__ __device__ constexpr int threads_for(int rows, int f = 1) { return rows / f / MmaM * 32; }
 /* Query rows per block: 128, so that each K and V tile copied into shared memory serves 128
  * rows (8 warps of 16 rows, or 4 of 32). */
@@ -555,14 +561,8 @@ static_assert(rows_bwd(Bc_bwd_small) % MmaK == 0 && Bc_dq % MmaK == 0, "whole k-
 __host__ __device__ constexpr int dkdv_blocks_per_sm(int d) { return d <= 64 ? 2 : 1; }
 /* Blocks of the dQ kernel that must fit an SM, with its Q and dO operands in registers: 4 at
  * d <= 64 (128 registers, an 8-byte spill, 08's none; at d = 64 uncapped 132, 3 blocks) and 3
- * at d = 128 (168, a 108-byte spill, 08's 8; uncapped 178, 2 blocks). -DATTN_DQ_BLOCKS=N sets
- * N at every d. */
-#ifndef ATTN_DQ_BLOCKS
-#define ATTN_DQ_BLOCKS 0
-#endif
-__host__ __device__ constexpr int dq_blocks_per_sm(int d) {
-  return ATTN_DQ_BLOCKS ? ATTN_DQ_BLOCKS : d <= 64 ? 4 : 3;
-}
+ * at d = 128 (168, a 108-byte spill, 08's 8; uncapped 178, 2 blocks). */
+__host__ __device__ constexpr int dq_blocks_per_sm(int d) { return d <= 64 ? 4 : 3; }
 
 /* dQ's atomics on sm_90 and later: a lane adds its two adjacent columns as one float2, so a
  * warp's atomic fills 8 whole 32-byte sectors of L2 where two of single floats send them half

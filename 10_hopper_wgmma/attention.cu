@@ -978,14 +978,8 @@ static_assert(rows_bwd(Bc_bwd_small) % MmaK == 0 && Bc_dq % MmaK == 0, "whole k-
 __host__ __device__ constexpr int dkdv_blocks_per_sm(int d) { return d <= 64 ? 2 : 1; }
 /* Blocks of the dQ kernel that must fit an SM, with its Q and dO operands in registers: 4 at
  * d <= 64 (128 registers, an 8-byte spill, 08's none; at d = 64 uncapped 132, 3 blocks) and 3
- * at d = 128 (168, a 108-byte spill, 08's 8; uncapped 178, 2 blocks). -DATTN_DQ_BLOCKS=N sets
- * N at every d. */
-#ifndef ATTN_DQ_BLOCKS
-#define ATTN_DQ_BLOCKS 0
-#endif
-__host__ __device__ constexpr int dq_blocks_per_sm(int d) {
-  return ATTN_DQ_BLOCKS ? ATTN_DQ_BLOCKS : d <= 64 ? 4 : 3;
-}
+ * at d = 128 (168, a 108-byte spill, 08's 8; uncapped 178, 2 blocks). */
+__host__ __device__ constexpr int dq_blocks_per_sm(int d) { return d <= 64 ? 4 : 3; }
 
 /* dQ's atomics on sm_90 and later: a lane adds its two adjacent columns as one float2, so a
  * warp's atomic fills 8 whole 32-byte sectors of L2 where two of single floats send them half
