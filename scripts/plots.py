@@ -200,6 +200,63 @@ def hopper_steps(result_dir, out_dir):
     return gp
 
 
+# Stage 09's A/B table: what the stage gains over each switch turned off alone, forward and
+# backward, from the newest command of 09_swizzle_pipeline-variants.tsv that timed them all.
+SWIZZLE_SWITCHES = [("swizzle_off", "swizzle"), ("whole_tiles_off", "whole tiles"),
+                    ("split_waits_off", "split K/V waits"), ("q_registers_off", "Q in registers"),
+                    ("paired_atomics_off", "paired dQ atomics"), ("qsteps1", "query steps"),
+                    ("warp_keys16", "32-key dK/dV warps"), ("deterministic", "atomic dQ")]
+
+
+def swizzle_switches(result_dir, out_dir):
+    path = os.path.join(result_dir, "09_swizzle_pipeline-variants.tsv")
+    if not os.path.exists(path):
+        return None
+    rows = [r for r in attn.read_rows(path) if r["dtype"] == "fp16"]
+    name = "09_swizzle_pipeline:"
+    runs = [r["run"] for r in rows if r["stage"] == name + "q_registers_off"]
+    if not runs:
+        return None
+    rows = [r for r in rows if r["run"] == runs[-1]]
+    value = {(r["stage"], r["direction"], int(r["d"]), int(r["Nq"]), r["causal"]):
+             float(r["tflops"]) for r in rows}
+
+    def gain(label, direction, d):
+        """Mean over the points of (stage / switched off - 1), in %; the forward-only
+        switches were timed beside the stage's second pass (`base2`)."""
+        base = name + ("base2" if (name + "base2", direction, d, 4096, "0") in value and
+                       (name + label, "bwd", d, 4096, "0") not in value else "base")
+        pts = [k[3:] for k in value if k[0] == name + label and k[1] == direction and k[2] == d]
+        g = [value[(base, direction, d) + p] / value[(name + label, direction, d) + p] - 1
+             for p in pts if (base, direction, d) + p in value]
+        return f"{100 * sum(g) / len(g):.1f}" if g else "NaN"
+
+    out = os.path.join(out_dir, "09_swizzle_pipeline_switches.png")
+    data_dir = fresh_data_dir(out)
+    dat = os.path.join(data_dir, "switches.dat")
+    with open(dat, "w") as f:
+        for label, title in SWIZZLE_SWITCHES:
+            f.write(f"\"{title}\"\t" + "\t".join(gain(label, direction, d) for direction in
+                                                   ("fwd", "bwd") for d in (64, 128)) + "\n")
+    rel = os.path.relpath(dat, out_dir)
+    series = ["forward, d = 64", "forward, d = 128", "backward, d = 64", "backward, d = 128"]
+    plotted = [f"'{rel}' using {k + 2}:xtic(1) title '{t}' lc rgb '{COLORS[k]}'"
+               for k, t in enumerate(series)]
+    gp = os.path.splitext(out)[0] + ".gp"
+    with open(gp, "w") as f:
+        f.write("set terminal pngcairo size 1200,640 font 'sans,11'\n")
+        f.write(f"set output '{os.path.basename(out)}'\n")
+        f.write("set title \"Stage 09, what each technique buys: TFLOP/s gain over the stage with "
+                "it switched off\\n{/*0.8 mean of N = 4096 and 16384, causal and not, fp16 (H = "
+                f"2048/d, B = 16384/N), command {runs[-1]}; {stamp(rows)}}}\"\n")
+        f.write("set ylabel 'gain (%)'\nset grid ytics\n")
+        f.write("set style data histograms\nset style histogram clustered gap 1\n")
+        f.write("set style fill solid 0.8 noborder\nset boxwidth 0.9\n")
+        f.write("set key outside right top noenhanced\nset xtics noenhanced rotate by -25\n")
+        f.write("plot " + ", \\\n     ".join(plotted) + "\n")
+    return gp
+
+
 def draw(result_dirs, out_dir, stage=None, cpu_plots=True):
     """Every plot, or with `stage` the per-stage form: that stage beside its predecessor."""
     os.makedirs(out_dir, exist_ok=True)
@@ -272,6 +329,7 @@ def draw(result_dirs, out_dir, stage=None, cpu_plots=True):
                  for s, g in sorted(groups.items())], stamp(sel)))
     if not only:
         scripts += [hopper_steps(d, out_dir) for d in result_dirs]
+        scripts += [swizzle_switches(d, out_dir) for d in result_dirs]
     scripts = [s for s in scripts if s]
     if not shutil.which("gnuplot"):
         print(f"plots: gnuplot not found; data and scripts written to {out_dir}. Install it "
