@@ -153,6 +153,20 @@ def ladder(rows, out_dir, prefix, only):
     return gp
 
 
+def histogram_script(out, title, axes, plotted):
+    """The gnuplot script of a clustered bar chart (the A/B plots), written beside `out`."""
+    gp = os.path.splitext(out)[0] + ".gp"
+    with open(gp, "w") as f:
+        f.write("set terminal pngcairo size 1200,640 font 'sans,11'\n")
+        f.write(f"set output '{os.path.basename(out)}'\n")
+        f.write(f"set title \"{title}\"\n" + axes)
+        f.write("set style data histograms\nset style histogram clustered gap 1\n")
+        f.write("set style fill solid 0.8 noborder\nset boxwidth 0.9\n")
+        f.write("set key outside right top noenhanced\nset xtics noenhanced rotate by -25\n")
+        f.write("plot " + ", \\\n     ".join(plotted) + "\n")
+    return gp
+
+
 # Stage 10's A/B table: each technique added to the one before, beside SDPA, from the
 # newest command of 10_hopper_wgmma-variants.tsv that measured every step.
 HOPPER_STEPS = [("09_swizzle_pipeline", "09 (mma.sync, cp.async)"),
@@ -186,18 +200,10 @@ def hopper_steps(result_dir, out_dir):
     rel = os.path.relpath(dat, out_dir)
     plotted = [f"'{rel}' using {k + 2}:xtic(1) title '{name}' lc rgb '{COLORS[k]}'"
                for k, (_, name) in enumerate(HOPPER_STEPS)]
-    gp = os.path.splitext(out)[0] + ".gp"
-    with open(gp, "w") as f:
-        f.write("set terminal pngcairo size 1200,640 font 'sans,11'\n")
-        f.write(f"set output '{os.path.basename(out)}'\n")
-        f.write("set title \"Stage 10, what each Hopper technique bought: forward TFLOP/s, fp16 "
-                f"(H = 2048/d, B = 16384/N), command {runs[-1]}\\n{{/*0.8 {stamp(rows)}}}\"\n")
-        f.write("set ylabel 'TFLOP/s'\nset grid ytics\nset yrange [0:*]\n")
-        f.write("set style data histograms\nset style histogram clustered gap 1\n")
-        f.write("set style fill solid 0.8 noborder\nset boxwidth 0.9\n")
-        f.write("set key outside right top noenhanced\nset xtics noenhanced rotate by -25\n")
-        f.write("plot " + ", \\\n     ".join(plotted) + "\n")
-    return gp
+    return histogram_script(
+        out, "Stage 10, what each Hopper technique bought: forward TFLOP/s, fp16 "
+        f"(H = 2048/d, B = 16384/N), command {runs[-1]}\\n{{/*0.8 {stamp(rows)}}}",
+        "set ylabel 'TFLOP/s'\nset grid ytics\nset yrange [0:*]\n", plotted)
 
 
 # Stage 09's A/B table: what the stage gains over each switch turned off alone, forward and
@@ -242,19 +248,11 @@ def swizzle_switches(result_dir, out_dir):
     series = ["forward, d = 64", "forward, d = 128", "backward, d = 64", "backward, d = 128"]
     plotted = [f"'{rel}' using {k + 2}:xtic(1) title '{t}' lc rgb '{COLORS[k]}'"
                for k, t in enumerate(series)]
-    gp = os.path.splitext(out)[0] + ".gp"
-    with open(gp, "w") as f:
-        f.write("set terminal pngcairo size 1200,640 font 'sans,11'\n")
-        f.write(f"set output '{os.path.basename(out)}'\n")
-        f.write("set title \"Stage 09, what each technique buys: TFLOP/s gain over the stage with "
-                "it switched off\\n{/*0.8 mean of N = 4096 and 16384, causal and not, fp16 (H = "
-                f"2048/d, B = 16384/N), command {runs[-1]}; {stamp(rows)}}}\"\n")
-        f.write("set ylabel 'gain (%)'\nset grid ytics\n")
-        f.write("set style data histograms\nset style histogram clustered gap 1\n")
-        f.write("set style fill solid 0.8 noborder\nset boxwidth 0.9\n")
-        f.write("set key outside right top noenhanced\nset xtics noenhanced rotate by -25\n")
-        f.write("plot " + ", \\\n     ".join(plotted) + "\n")
-    return gp
+    return histogram_script(
+        out, "Stage 09, what each technique buys: TFLOP/s gain over the stage with it switched "
+        "off\\n{/*0.8 mean of N = 4096 and 16384, causal and not, fp16 (H = 2048/d, B = "
+        f"16384/N), command {runs[-1]}; {stamp(rows)}}}",
+        "set ylabel 'gain (%)'\nset grid ytics\n", plotted)
 
 
 def draw(result_dirs, out_dir, stage=None, cpu_plots=True):
