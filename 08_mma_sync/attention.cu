@@ -447,6 +447,11 @@ constexpr int Bc_bwd = 128;
 /* Keys per dK/dV block where the device cannot give a block dkdv_bytes(d, Bc_bwd): half the
  * keys and query rows (137 KiB at d = 128; sm_86 and sm_89 allow 99 KiB, sm_80 163 KiB). */
 constexpr int Bc_bwd_small = 64;
+/* Query steps (16 queries) per load of a dK/dV warp's K and V operands: one, each operand
+ * feeding one product. */
+__host__ __device__ constexpr int query_steps(int) { return 1; }
+/* A dK/dV warp's keys: 16, one fragment, so that dK and dV take 64 registers at d = 128. */
+constexpr int WarpKeys = MmaM;
 /* Query rows per tile of the dK/dV kernel: half its keys (64 rows, like Bc in the forward). */
 __host__ __device__ constexpr int rows_bwd(int bc) { return bc / 2; }
 /* The dQ kernel: 4 warps of 16 query rows, tiles of 32 keys, so that 3 blocks (68 KiB each at
@@ -518,9 +523,32 @@ __device__ void probabilities_and_ds(const float *s, const float *dp, float scal
   ds_out[0] = pack2(ds[0], ds[1], T()), ds_out[1] = pack2(ds[2], ds[3], T());
 }
 
-/* A warp per 16 keys j of the block's BC keys (Bc_bwd, or Bc_bwd_small where shared memory
- * is smaller), keeping their dK and dV in accumulators while it walks the query tiles: per
- * 16 queries, S^T = K Q^T and dP^T = V dO^T (keys as rows) make P^T and dS^T in registers,
+/* dV += P^T dO and dK += dS^T Q for one step of 16 queries (step n2 of the tile): the P^T and
+ * dS^T of the warp's FRAGS x 16 keys as A operands, the step's rows of dO and Q, columns
+ * [c0, c0 + COLS), read transposed as B. */
+template <int D, int COLS, int FRAGS, typename T>
+__device__ void update_dkdv(const unsigned (*p_frag)[4], const unsigned (*ds_frag)[4], const T *dOt,
+                            const T *Qt, int n2, int c0, float (*dv_acc)[COLS / MmaN][4],
+                            float (*dk_acc)[COLS / MmaN][4]) {
+#pragma unroll
+  for (int c2 = 0; c2 < COLS / 16; c2++) {
+    unsigned b[4];
+    ldmatrix_x4_trans(b, b_operand_trans<D>(dOt, n2 * 16, c0 + c2 * 16));
+#pragma unroll
+    for (int f = 0; f < FRAGS; f++)
+      mma_m16n8k16(dv_acc[f][2 * c2], p_frag[f], b, T()),
+          mma_m16n8k16(dv_acc[f][2 * c2 + 1], p_frag[f], b + 2, T());
+    ldmatrix_x4_trans(b, b_operand_trans<D>(Qt, n2 * 16, c0 + c2 * 16));
+#pragma unroll
+    for (int f = 0; f < FRAGS; f++)
+      mma_m16n8k16(dk_acc[f][2 * c2], ds_frag[f], b, T()),
+          mma_m16n8k16(dk_acc[f][2 * c2 + 1], ds_frag[f], b + 2, T());
+  }
+}
+
+/* A warp per WarpKeys keys j of the block's BC keys (Bc_bwd, or Bc_bwd_small where shared
+ * memory is smaller), keeping their dK and dV in accumulators while it walks the query tiles:
+ * per 16 queries, S^T = K Q^T and dP^T = V dO^T (keys as rows) make P^T and dS^T in registers,
  * the A operands of dV += P^T dO and dK += dS^T Q with those 16 queries as the k-step. */
 template <int D, int BC, typename T>
 __global__ void __launch_bounds__(threads_for(BC), dkdv_blocks_per_sm(D))
@@ -529,7 +557,9 @@ __global__ void __launch_bounds__(threads_for(BC), dkdv_blocks_per_sm(D))
                                const float *__restrict__ lse, const float *__restrict__ delta,
                                T *__restrict__ dk, T *__restrict__ dv, int nq, int nkv, int heads,
                                float scale, int causal) {
+  constexpr int KeyFrags = WarpKeys / MmaM, QSteps = query_steps(D);
   constexpr int ld = padded<T>(D), Br_bwd = rows_bwd(BC);
+  static_assert(Br_bwd / MmaK % QSteps == 0, "whole query steps");
   extern __shared__ __align__(32) float4 smem_bwd[];
   T *Ks = reinterpret_cast<T *>(smem_bwd), *Vs = Ks + BC * ld;
   T *Qs = Vs + BC * ld, *dOs = Qs + 2 * Br_bwd * ld; /* Q and dO double-buffered */
@@ -537,12 +567,12 @@ __global__ void __launch_bounds__(threads_for(BC), dkdv_blocks_per_sm(D))
   int key_blocks = (nkv + BC - 1) / BC;
   long bh = blockIdx.x / key_blocks;
   int g = threadIdx.x % 32 / Quad, tq = threadIdx.x % Quad;
-  int j0 = (int)(blockIdx.x % key_blocks) * BC, jw = j0 + threadIdx.x / 32 * MmaM;
+  int j0 = (int)(blockIdx.x % key_blocks) * BC, jw = j0 + threadIdx.x / 32 * WarpKeys;
   int cols = min(BC, nkv - j0), offset = nkv - nq;
-  const T *Kw = Ks + (jw - j0) * ld, *Vw = Vs + (jw - j0) * ld; /* the warp's 16 keys */
+  const T *Kw = Ks + (jw - j0) * ld, *Vw = Vs + (jw - j0) * ld; /* the warp's keys */
   const T *Q = q + bh * nq * D, *dO = d_o + bh * nq * D;
   load_kv_tile<D, BC>(k + (bh * nkv + j0) * D, v + (bh * nkv + j0) * D, cols, Ks, Vs);
-  float dk_acc[1][D / MmaN][4] = {}, dv_acc[1][D / MmaN][4] = {};
+  float dk_acc[KeyFrags][D / MmaN][4] = {}, dv_acc[KeyFrags][D / MmaN][4] = {};
   const float scale_log2 = scale * Log2e;
   /* Under the causal mask the first query that sees key j0 is j0 - offset: the query tiles
    * before it are skipped. */
@@ -568,51 +598,59 @@ __global__ void __launch_bounds__(threads_for(BC), dkdv_blocks_per_sm(D))
     const T *Qt = Qs + buf * Br_bwd * ld, *dOt = dOs + buf * Br_bwd * ld;
     const float *lse_t = lse_s + buf * Br_bwd, *delta_t = delta_s + buf * Br_bwd;
     /* Only a tile past the end of the queries or keys, or crossing the diagonal, is masked. */
-    bool masked = i0 + Br_bwd > nq || jw + MmaM > nkv || (causal && jw + MmaM - 1 > i0 + offset);
+    bool masked =
+        i0 + Br_bwd > nq || jw + WarpKeys > nkv || (causal && jw + WarpKeys - 1 > i0 + offset);
+    /* QSteps query steps of 16 share each load of the warp's K and V operands */
 #pragma unroll
-    for (int n2 = 0; n2 < Br_bwd / MmaK; n2++) { /* 16 queries: one k-step of dV and dK */
-      float s[2][4] = {}, dp[2][4] = {};
+    for (int q0 = 0; q0 < Br_bwd / MmaK; q0 += QSteps) {
+      float s[QSteps][KeyFrags][2][4] = {}, dp[QSteps][KeyFrags][2][4] = {};
 #pragma unroll
       for (int kk = 0; kk < D / MmaK; kk++) {
-        unsigned a[4];
-        ldmatrix_x4(a, a_operand<D>(Kw, 0, kk * MmaK));
-        mma_tile<D, false, 16>(&s, &a, Qt, n2 * 16, kk * MmaK);
-        ldmatrix_x4(a, a_operand<D>(Vw, 0, kk * MmaK));
-        mma_tile<D, false, 16>(&dp, &a, dOt, n2 * 16, kk * MmaK);
+        unsigned a[KeyFrags][4];
+#pragma unroll
+        for (int f = 0; f < KeyFrags; f++) ldmatrix_x4(a[f], a_operand<D>(Kw, f * MmaM, kk * MmaK));
+#pragma unroll
+        for (int q = 0; q < QSteps; q++)
+          mma_tile<D, false, 16, KeyFrags>(s[q], a, Qt, (q0 + q) * 16, kk * MmaK);
+#pragma unroll
+        for (int f = 0; f < KeyFrags; f++) ldmatrix_x4(a[f], a_operand<D>(Vw, f * MmaM, kk * MmaK));
+#pragma unroll
+        for (int q = 0; q < QSteps; q++)
+          mma_tile<D, false, 16, KeyFrags>(dp[q], a, dOt, (q0 + q) * 16, kk * MmaK);
       }
-      unsigned p_frag[4], ds_frag[4];
 #pragma unroll
-      for (int half = 0; half < 2; half++) { /* queries 0-7, then 8-15 of the k-step */
-        int col = n2 * 16 + half * MmaN + 2 * tq;
-        float lse_e[4] = {lse_t[col], lse_t[col + 1], lse_t[col], lse_t[col + 1]};
-        float delta_e[4] = {delta_t[col], delta_t[col + 1], delta_t[col], delta_t[col + 1]};
-        bool visible[4] = {true, true, true, true};
-        if (masked)
+      for (int q = 0; q < QSteps; q++) {
+        const int n2 = q0 + q;
+        unsigned p_frag[KeyFrags][4], ds_frag[KeyFrags][4];
 #pragma unroll
-          for (int e = 0; e < 4; e++) {
-            int i = i0 + col + e % 2, j = jw + g + 8 * (e / 2);
-            visible[e] = i < nq && j < nkv && (!causal || j <= i + offset);
+        for (int half = 0; half < 2; half++) { /* queries 0-7, then 8-15 of the k-step */
+          int col = n2 * 16 + half * MmaN + 2 * tq;
+          float lse_e[4] = {lse_t[col], lse_t[col + 1], lse_t[col], lse_t[col + 1]};
+          float delta_e[4] = {delta_t[col], delta_t[col + 1], delta_t[col], delta_t[col + 1]};
+#pragma unroll
+          for (int f = 0; f < KeyFrags; f++) {
+            bool visible[4] = {true, true, true, true};
+            if (masked)
+#pragma unroll
+              for (int e = 0; e < 4; e++) {
+                int i = i0 + col + e % 2, j = jw + f * MmaM + g + 8 * (e / 2);
+                visible[e] = i < nq && j < nkv && (!causal || j <= i + offset);
+              }
+            probabilities_and_ds<T>(s[q][f][half], dp[q][f][half], scale_log2, lse_e, delta_e,
+                                    visible, p_frag[f] + 2 * half, ds_frag[f] + 2 * half);
           }
-        probabilities_and_ds<T>(s[half], dp[half], scale_log2, lse_e, delta_e, visible,
-                                p_frag + 2 * half, ds_frag + 2 * half);
-      }
-#pragma unroll
-      for (int c2 = 0; c2 < D / 16; c2++) {
-        unsigned b[4];
-        ldmatrix_x4_trans(b, b_operand_trans<D>(dOt, n2 * 16, c2 * 16));
-        mma_m16n8k16(dv_acc[0][2 * c2], p_frag, b, T());
-        mma_m16n8k16(dv_acc[0][2 * c2 + 1], p_frag, b + 2, T());
-        ldmatrix_x4_trans(b, b_operand_trans<D>(Qt, n2 * 16, c2 * 16));
-        mma_m16n8k16(dk_acc[0][2 * c2], ds_frag, b, T());
-        mma_m16n8k16(dk_acc[0][2 * c2 + 1], ds_frag, b + 2, T());
+        }
+        update_dkdv<D, D, KeyFrags>(p_frag, ds_frag, dOt, Qt, n2, 0, dv_acc, dk_acc);
       }
     }
     __syncthreads(); /* WAR: every warp is done with buffer `buf` before tile t + 2 fills it */
   }
   __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
-  const float dk_factor[2] = {scale, scale}, dv_factor[2] = {1.f, 1.f};
-  store_tile<D, 1>(dk_acc, dk_factor, dk + (bh * nkv + jw) * D, nkv - jw);
-  store_tile<D, 1>(dv_acc, dv_factor, dv + (bh * nkv + jw) * D, nkv - jw);
+  float dk_factor[2 * KeyFrags], dv_factor[2 * KeyFrags];
+#pragma unroll
+  for (int h = 0; h < 2 * KeyFrags; h++) dk_factor[h] = scale, dv_factor[h] = 1.f;
+  store_tile<D, KeyFrags>(dk_acc, dk_factor, dk + (bh * nkv + jw) * D, nkv - jw);
+  store_tile<D, KeyFrags>(dv_acc, dv_factor, dv + (bh * nkv + jw) * D, nkv - jw);
 }
 
 /* A warp per 16 query rows, walking the key tiles like the forward with dQ in accumulators;

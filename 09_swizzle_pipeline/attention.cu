@@ -699,11 +699,13 @@ __device__ void update_dkdv(const unsigned (*p_frag)[4], const unsigned (*ds_fra
   }
 }
 
-/* The block's BC keys in groups of WarpKeys, each group's dK and dV in accumulators while the
- * block walks the query tiles: S^T = K Q^T and dP^T = V dO^T make P^T and dS^T in registers,
- * then dV += P^T dO and dK += dS^T Q. Two warps a group (d = 128) each make P^T and dS^T for
- * half of the tile's queries, write them to shared memory, and add dK and dV for half of the
- * columns over the whole tile, reading P^T and dS^T back as A operands. */
+/* A warp per WarpKeys keys j of the block's BC keys (Bc_bwd, or Bc_bwd_small where shared
+ * memory is smaller), keeping their dK and dV in accumulators while it walks the query tiles:
+ * per 16 queries, S^T = K Q^T and dP^T = V dO^T (keys as rows) make P^T and dS^T in registers,
+ * the A operands of dV += P^T dO and dK += dS^T Q with those 16 queries as the k-step. Where
+ * two warps share the keys (d = 128), each makes P^T and dS^T for half of the tile's queries,
+ * writes them to shared memory, and adds dK and dV for half of the columns over the whole
+ * tile, reading P^T and dS^T back as A operands. */
 template <int D, int BC, bool AtomicDq, typename T>
 __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
     flash_backward_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ k,
@@ -730,11 +732,10 @@ __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
   int g = threadIdx.x % 32 / Quad, tq = threadIdx.x % Quad;
   int w = threadIdx.x / 32, part = Split > 1 ? w / (BC / WarpKeys) : 0; /* the warp's share */
   int j0 = kb * BC, jw = j0 + w % (BC / WarpKeys) * WarpKeys;
-  int offset = nkv - nq, c0 = part * Cols;
-  const T *Kw = Ks + (jw - j0) * ld, *Vw = Vs + (jw - j0) * ld; /* the group's keys */
+  int cols = min(BC, nkv - j0), offset = nkv - nq, c0 = part * Cols;
+  const T *Kw = Ks + (jw - j0) * ld, *Vw = Vs + (jw - j0) * ld; /* the warp's keys */
   const T *Q = q + bh * nq * D, *dO = d_o + bh * nq * D;
-  load_kv_tile<D, BC, Threads>(k + (bh * nkv + j0) * D, v + (bh * nkv + j0) * D, min(BC, nkv - j0),
-                               Ks, Vs);
+  load_kv_tile<D, BC, Threads>(k + (bh * nkv + j0) * D, v + (bh * nkv + j0) * D, cols, Ks, Vs);
   float dk_acc[KeyFrags][Cols / MmaN][4] = {}, dv_acc[KeyFrags][Cols / MmaN][4] = {};
   const float scale_log2 = scale * Log2e;
   /* Under the causal mask the first query that sees key j0 is j0 - offset: the query tiles
