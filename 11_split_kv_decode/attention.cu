@@ -339,17 +339,42 @@ __device__ void merge_block_stats(const float *m_blk, float scale_log2, float *m
 }
 
 /* p = 2^((s - m) scale log2(e)); l += p (the lane's columns: the quad's sums are added at the
- * end); acc += P V, two S accumulators per 16 keys an A operand. (Not one FFMA, s c - m c with
- * m c rounded apart: at logits near 1e11 that rounding alone is 4096, and 2^4096 = inf.) */
+ * end); acc += P V, two S accumulators per 16 keys an A operand. At d <= 64 the exponent is
+ * one FFMA, s c - m c (c = scale log2 e) with m c rounded apart, which moves it by at most
+ * 2^-14 (p off by under 1e-4, relative) while every row of the warp has |m c| < FoldLimit;
+ * past that (logits near 1e11, where the rounding alone is 4096 and 2^4096 = inf) the warp
+ * subtracts m from s first, exactly. Forward +1 to +4% at d = 64; at d = 128, 3-5% slower,
+ * so there s - m, then times c. -DATTN_FFMA_FOLD=0: s - m, then times c, at every d. */
+#ifndef ATTN_FFMA_FOLD
+#define ATTN_FFMA_FOLD 1
+#endif
+constexpr float FoldLimit = 1024.f;
 template <int D, int BC, int FRAGS = row_frags(D), typename T>
-__device__ void compute_block_softmax_and_weighted_v(const float (*s)[BC / MmaN][4], const T *V,
+__device__ void compute_block_softmax_and_weighted_v(float (*s)[BC / MmaN][4], const T *V,
                                                      float scale_log2, const float *m, float *l,
                                                      float (*acc)[D / MmaN][4]) {
   constexpr int RowFrags = FRAGS, LaneRows = 2 * RowFrags;
+  constexpr bool Fold = ATTN_FFMA_FOLD && D <= 64;
   /* A row that has seen no key (m = -inf) has only -inf logits: 2^(-inf - 0) = 0. */
-  float m_use[LaneRows];
+  float m_use[LaneRows], mc[LaneRows];
+  bool fold = Fold;
 #pragma unroll
-  for (int h = 0; h < LaneRows; h++) m_use[h] = m[h] == -INFINITY ? 0.f : m[h];
+  for (int h = 0; h < LaneRows; h++) {
+    m_use[h] = m[h] == -INFINITY ? 0.f : m[h];
+    fold = fold && fabsf(m_use[h] * scale_log2) < FoldLimit;
+  }
+  if constexpr (Fold) {
+    fold = __all_sync(0xffffffffu, fold);
+#pragma unroll
+    for (int h = 0; h < LaneRows; h++) mc[h] = fold ? m_use[h] * scale_log2 : 0.f;
+    if (!fold)
+#pragma unroll
+      for (int f = 0; f < RowFrags; f++)
+#pragma unroll
+        for (int n = 0; n < BC / MmaN; n++)
+#pragma unroll
+          for (int e = 0; e < 4; e++) s[f][n][e] -= m_use[2 * f + e / 2];
+  }
 #pragma unroll
   for (int kk = 0; kk < BC / MmaK; kk++) {
     unsigned p_frag[RowFrags][4];
@@ -360,7 +385,9 @@ __device__ void compute_block_softmax_and_weighted_v(const float (*s)[BC / MmaN]
         float p[4];
 #pragma unroll
         for (int e = 0; e < 4; e++) {
-          p[e] = exp2_approx((s[f][2 * kk + half][e] - m_use[2 * f + e / 2]) * scale_log2);
+          float x = s[f][2 * kk + half][e];
+          p[e] = exp2_approx(Fold ? fmaf(x, scale_log2, -mc[2 * f + e / 2])
+                                  : (x - m_use[2 * f + e / 2]) * scale_log2);
           l[2 * f + e / 2] += p[e];
         }
         p_frag[f][2 * half] = pack2(p[0], p[1], T());     /* rows 0-7 */
