@@ -450,7 +450,7 @@ constexpr int Bc_bwd_small = 64;
 /* Query steps (16 queries) per load of a dK/dV warp's K and V operands: one, each operand
  * feeding one product. */
 __host__ __device__ constexpr int query_steps(int) { return 1; }
-/* A dK/dV warp's keys: 16, one fragment, so that dK and dV take 64 registers at d = 128. */
+/* A dK/dV warp's keys: 16, one fragment, whose dK and dV take 128 registers at d = 128. */
 constexpr int WarpKeys = MmaM;
 /* Query rows per tile of the dK/dV kernel: half its keys (64 rows, like Bc in the forward). */
 __host__ __device__ constexpr int rows_bwd(int bc) { return bc / 2; }
