@@ -357,14 +357,13 @@ __device__ void compute_block_softmax_and_weighted_v(float (*s)[BC / MmaN][4], c
   constexpr bool Fold = ATTN_FFMA_FOLD && D <= 64;
   /* A row that has seen no key (m = -inf) has only -inf logits: 2^(-inf - 0) = 0. */
   float m_use[LaneRows], mc[LaneRows];
-  bool fold = Fold;
 #pragma unroll
-  for (int h = 0; h < LaneRows; h++) {
-    m_use[h] = m[h] == -INFINITY ? 0.f : m[h];
-    fold = fold && fabsf(m_use[h] * scale_log2) < FoldLimit;
-  }
+  for (int h = 0; h < LaneRows; h++) m_use[h] = m[h] == -INFINITY ? 0.f : m[h];
   if constexpr (Fold) {
-    fold = __all_sync(0xffffffffu, fold);
+    bool near = true;
+#pragma unroll
+    for (int h = 0; h < LaneRows; h++) near = near && fabsf(m_use[h] * scale_log2) < FoldLimit;
+    bool fold = __all_sync(0xffffffffu, near);
 #pragma unroll
     for (int h = 0; h < LaneRows; h++) mc[h] = fold ? m_use[h] * scale_log2 : 0.f;
     if (!fold)
