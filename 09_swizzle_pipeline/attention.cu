@@ -4,8 +4,10 @@
  * issues beside its products: tiles without padding, their 16-byte chunks permuted by XOR
  * with the row (`swizzle`: conflict-free, and a d = 128 forward block fits 96 KiB); copies
  * the compiler unrolls; the forward's K and V waited for separately, so V(t)'s copy overlaps
- * S = Q K(t)^T and K(t + 1)'s the softmax and P V(t); in the backward, dQ by fp32 atomics
- * from the dK/dV kernel (ATTN_DETERMINISTIC=1 keeps 08's dQ kernel), K, V operands reused.
+ * S = Q K(t)^T and K(t + 1)'s the softmax and P V(t); at d <= 64 32-row warps over 128-key
+ * tiles, each operand read for two products, and masks only on the tiles that need them; in
+ * the backward, dQ by fp32 atomics from the dK/dV kernel (ATTN_DETERMINISTIC=1 keeps 08's dQ
+ * kernel), K, V operands reused.
  */
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -38,34 +40,29 @@
  */
 constexpr int MmaM = 16, MmaN = 8, MmaK = 16;
 constexpr int Quad = 4; /* lanes that share a row */
-/* A warp's query rows in the forward, in fragments: at d = 128 two, so that each K and V
- * operand loaded feeds two mma.sync; at d <= 64 one, which leaves registers for two blocks of
- * 8 warps an SM. Measured (H100, fp16, N = 4096 and 16384, forward TFLOP/s): at d = 128, 32
- * rows a warp 251-267 against 16 rows 202-213 (08); at d = 64, 16 rows 262-281, 32 rows
- * 259-276, and with 128 keys a tile 259-279 and 264-280: the same within noise. */
+/* A warp's query rows in the forward, in fragments: two at every d (08: one at d <= 64), so
+ * that each K and V operand loaded feeds two mma.sync and a warp reads half the shared memory
+ * per product. Measured (H100, fp16, N = 4096 to 16384, forward TFLOP/s): at d = 128, 32 rows
+ * a warp 251-267 against 16 rows 202-213 (08); at d = 64, with 128-key tiles, 324-360 against
+ * 16 rows over 64 keys with Q's operands kept in registers 273-291, and 32 rows over 64 keys
+ * 287-310 (one command, 02f781e). -DATTN_ROW_FRAGS=1: 16 rows at d <= 64. */
 #ifndef ATTN_ROW_FRAGS
-#define ATTN_ROW_FRAGS 1 /* at d <= 64; -DATTN_ROW_FRAGS=2 for the alternative */
+#define ATTN_ROW_FRAGS 2 /* at d <= 64 */
 #endif
 __host__ __device__ constexpr int row_frags(int d) { return d > 64 ? 2 : ATTN_ROW_FRAGS; }
-/* Where Q's A operands live: at d <= 64 in registers, loaded once (16 a lane); at d = 128
- * they would take 64 registers beside S and O, so they are reloaded from shared memory.
- * -DATTN_Q_IN_REGISTERS=0 reloads them every tile at every d, as 08 does. */
-#ifndef ATTN_Q_IN_REGISTERS
-#define ATTN_Q_IN_REGISTERS 1
-#endif
-__host__ __device__ constexpr bool q_in_registers(int d) {
-  return ATTN_Q_IN_REGISTERS && row_frags(d) == 1;
-}
 __host__ __device__ constexpr int threads_for(int rows, int f = 1) { return rows / f / MmaM * 32; }
 /* Query rows per block: 128, so that each K and V tile copied into shared memory serves 128
  * rows (8 warps of 16 rows, or 4 of 32). */
 constexpr int Br = 128;
 /* Keys per tile: a tile's Bc scores are a register array per thread, so Bc is small;
- * 64 keys, 32 scores a lane per 16 rows, ran 2-4% faster than 32 at d = 64, 4% at d = 128. */
+ * 64 keys, 32 scores a lane per 16 rows, ran 2-4% faster than 32 at d = 64, 4% at d = 128.
+ * At d <= 64, 128 (FlashAttention-2's 128 x 128 tile: 128 scores a lane beside 64 of O, no
+ * spill): with 32-row warps 13-17% faster than 64 keys (above); at d = 128, where O takes
+ * 128 registers, 128 keys spill 928 bytes. -DATTN_BC=64: 64 keys at d <= 64. */
 #ifndef ATTN_BC
-#define ATTN_BC 64
+#define ATTN_BC 128 /* at d <= 64 */
 #endif
-constexpr int Bc = ATTN_BC;
+__host__ __device__ constexpr int bc_for(int d) { return d > 64 ? 64 : ATTN_BC; }
 /* Keys per tile where the device cannot give a block tile_bytes(d, Bc) (96 KiB at d = 128,
  * which every GPU since sm_80 allows; 102 KiB with -DATTN_SWIZZLE=0): half the keys. */
 constexpr int Bc_small = 32;
@@ -271,28 +268,30 @@ __device__ float sum_over_quad(float x) {
  * the keys is masked: past row h's first `cols` (diagonal: `visible + 8 h`) keys, -inf.
  * m_blk[h] is row h's max over the tile and the quad. */
 template <int D, int BC, typename T>
-__device__ void compute_qk_scores_and_max(const T *Q, const unsigned (*q_frag)[4], const T *K,
-                                          int cols, bool diagonal, int visible,
-                                          float (*s)[BC / MmaN][4], float *m_blk) {
+__device__ void compute_qk_scores_and_max(const T *Q, const T *K, int cols, bool diagonal,
+                                          int visible, float (*s)[BC / MmaN][4], float *m_blk) {
   constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
 #pragma unroll
   for (int kk = 0; kk < D / MmaK; kk++) {
     unsigned a[RowFrags][4];
-    if (!q_in_registers(D))
 #pragma unroll
-      for (int f = 0; f < RowFrags; f++) ldmatrix_x4(a[f], a_operand<D>(Q, f * MmaM, kk * MmaK));
-    mma_tile<D, false, BC, RowFrags>(s, q_in_registers(D) ? q_frag + kk : a, K, 0, kk * MmaK);
+    for (int f = 0; f < RowFrags; f++) ldmatrix_x4(a[f], a_operand<D>(Q, f * MmaM, kk * MmaK));
+    mma_tile<D, false, BC, RowFrags>(s, a, K, 0, kk * MmaK);
   }
-  /* A compare and a select per element: at d <= 64 a branch skips them on unmasked tiles; at
-   * d = 128 they stay predicated in the max's loop (the branch would cost 60 bytes of spills). */
+  /* A compare and a select per element, which a branch skips on unmasked tiles at every d (08
+   * keeps them predicated at d = 128: a compare and a select per element on every tile, and
+   * 16 bytes of spill there; skipped, the d = 128 forward 5-8% faster and without spill). */
   int t = threadIdx.x % Quad;
-  if (RowFrags == 1 && (diagonal || cols < BC))
+  if (diagonal || cols < BC)
 #pragma unroll
-    for (int n = 0; n < BC / MmaN; n++)
+    for (int f = 0; f < RowFrags; f++)
 #pragma unroll
-      for (int e = 0; e < 4; e++)
-        if (n * MmaN + 2 * t + e % 2 >= (diagonal ? min(cols, visible + 8 * (e / 2)) : cols))
-          s[0][n][e] = -INFINITY;
+      for (int n = 0; n < BC / MmaN; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+          if (n * MmaN + 2 * t + e % 2 >=
+              (diagonal ? min(cols, visible + 8 * (2 * f + e / 2)) : cols))
+            s[f][n][e] = -INFINITY;
 #pragma unroll
   for (int h = 0; h < LaneRows; h++) m_blk[h] = -INFINITY;
 #pragma unroll
@@ -300,12 +299,7 @@ __device__ void compute_qk_scores_and_max(const T *Q, const unsigned (*q_frag)[4
 #pragma unroll
     for (int n = 0; n < BC / MmaN; n++)
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
-        int row_cols = diagonal ? min(cols, visible + 8 * (2 * f + e / 2)) : cols;
-        if (RowFrags > 1 && (diagonal || cols < BC) && n * MmaN + 2 * t + e % 2 >= row_cols)
-          s[f][n][e] = -INFINITY;
-        m_blk[2 * f + e / 2] = fmaxf(m_blk[2 * f + e / 2], s[f][n][e]);
-      }
+      for (int e = 0; e < 4; e++) m_blk[2 * f + e / 2] = fmaxf(m_blk[2 * f + e / 2], s[f][n][e]);
 #pragma unroll
   for (int h = 0; h < LaneRows; h++) m_blk[h] = max_over_quad(m_blk[h]);
 }
@@ -339,8 +333,9 @@ __device__ void merge_block_stats(const float *m_blk, float scale_log2, float *m
  * one FFMA, s c - m c (c = scale log2 e) with m c rounded apart, which moves it by at most
  * 2^-14 (p off by under 1e-4, relative) while every row of the warp has |m c| < FoldLimit;
  * past that (logits near 1e11, where the rounding alone is 4096 and 2^4096 = inf) the warp
- * subtracts m from s first, exactly. Forward +1 to +4% at d = 64; at d = 128, 3-5% slower,
- * so there s - m, then times c. -DATTN_FFMA_FOLD=0: s - m, then times c, at every d. */
+ * subtracts m from s first, exactly. Forward +1 to +4% at d = 64 (cb46417, 16-row warps);
+ * at d = 128, 3-5% slower, so there s - m, then times c. -DATTN_FFMA_FOLD=0: s - m, then
+ * times c, at every d. */
 #ifndef ATTN_FFMA_FOLD
 #define ATTN_FFMA_FOLD 1
 #endif
@@ -454,7 +449,6 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
   const T *Qw = Qs + (row0 - i0) * padded<T>(D); /* the warp's rows */
   float acc[RowFrags][D / MmaN][4] = {};
   float m[LaneRows], l[LaneRows], m_blk[LaneRows];
-  unsigned q_frag[q_in_registers(D) ? D / MmaK : 1][4];
 #pragma unroll
   for (int h = 0; h < LaneRows; h++) m[h] = -INFINITY, l[h] = 0.f;
   load_tile<D, Br, Threads>(q + (bh * nq + i0) * D, min(Br, nq - i0), Qs);
@@ -496,11 +490,7 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
     bool diagonal = causal && j0 + cols - 1 > row0 + offset;
     const T *Kt = Ks + buf * BC * padded<T>(D), *Vt = Vs + buf * BC * padded<T>(D);
     float s[RowFrags][BC / MmaN][4] = {};
-    if (q_in_registers(D) && j0 == 0) /* Q has landed: its operands, once */
-#pragma unroll
-      for (int kk = 0; kk < D / MmaK; kk++)
-        ldmatrix_x4(q_frag[kk], a_operand<D>(Qs, row0 - i0, kk * MmaK));
-    compute_qk_scores_and_max<D, BC>(Qw, q_frag, Kt, cols, diagonal, i + offset + 1 - j0, s, m_blk);
+    compute_qk_scores_and_max<D, BC>(Qw, Kt, cols, diagonal, i + offset + 1 - j0, s, m_blk);
     merge_block_stats<D>(m_blk, scale_log2, m, l, acc);
     if (split && next < kv_end)
       load_tile<D, BC, Threads>(V + (long)next * D, min(BC, nkv - next), Vn);
@@ -517,7 +507,7 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
 }
 
 /* fp16, or bf16 through launch<D, __nv_bfloat16>: the harness uploads the problem's dtype. */
-template <int D, typename T = __half, int BC = Bc>
+template <int D, typename T = __half, int BC = bc_for(D)>
 static void launch(const attn_problem *p, const attn_buffers *t) {
   if (p->dtype == DTYPE_BF16 && !std::is_same_v<T, __nv_bfloat16>)
     return launch<D, __nv_bfloat16>(p, t);
