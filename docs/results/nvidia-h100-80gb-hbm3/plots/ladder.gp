@@ -11,8 +11,8 @@ set yrange [0.001:30000]
 set xrange [-0.6:15.6]
 plot 'ladder_data/bars.dat' using 1:2:xtic(3) with boxes fs solid 0.7 lc rgb '#1b9e77' notitle, \
      'ladder_data/bars.dat' using 1:($2*1.15):(sprintf('%.3g', $2)) with labels notitle, \
-     474.73 with lines dt 2 lw 2 lc rgb '#d95f02' title 'PyTorch sdpa_cudnn fp16 475' noenhanced, \
-     305.57 with lines dt 2 lw 2 lc rgb '#7570b3' title 'PyTorch sdpa_flash fp16 306' noenhanced, \
-     294.91 with lines dt 2 lw 2 lc rgb '#e7298a' title 'PyTorch sdpa_flash bf16 295' noenhanced, \
+     460.75 with lines dt 2 lw 2 lc rgb '#d95f02' title 'PyTorch sdpa_cudnn fp16 461' noenhanced, \
+     304.89 with lines dt 2 lw 2 lc rgb '#7570b3' title 'PyTorch sdpa_flash bf16 305' noenhanced, \
+     302.54 with lines dt 2 lw 2 lc rgb '#e7298a' title 'PyTorch sdpa_flash fp16 303' noenhanced, \
      135.2 with lines dt 2 lw 2 lc rgb '#66a61e' title 'PyTorch sdpa_efficient fp16 135' noenhanced, \
      34.02 with lines dt 2 lw 2 lc rgb '#e6ab02' title 'PyTorch sdpa_efficient fp32 34' noenhanced
