@@ -207,9 +207,12 @@ def hopper_steps(result_dir, out_dir):
 
 
 # Stage 09's A/B table: what the stage gains over each switch turned off alone, forward and
-# backward, from the newest command of 09_swizzle_pipeline-variants.tsv that timed them all.
+# backward, each from the newest command of 09_swizzle_pipeline-variants.tsv that timed that
+# switch in that direction (the forward's switches were timed again after the forward changed
+# at d <= 64; the backward's were not, its code unchanged since).
 SWIZZLE_SWITCHES = [("swizzle_off", "swizzle"), ("whole_tiles_off", "whole tiles"),
-                    ("split_waits_off", "split K/V waits"), ("q_registers_off", "Q in registers"),
+                    ("split_waits_off", "split K/V waits"),
+                    ("ffma_fold_off", "exponent in one FFMA"), ("rows16_bc64", "128 x 128 tile"),
                     ("paired_atomics_off", "paired dQ atomics"), ("qsteps1", "query steps"),
                     ("warp_keys16", "32-key dK/dV warps"), ("deterministic", "atomic dQ")]
 
@@ -220,21 +223,29 @@ def swizzle_switches(result_dir, out_dir):
         return None
     rows = [r for r in attn.read_rows(path) if r["dtype"] == "fp16"]
     name = "09_swizzle_pipeline:"
-    runs = [r["run"] for r in rows if r["stage"] == name + "q_registers_off"]
-    if not runs:
+    # Each switch's row against the stage's rows timed just before it in the same command
+    # (`base`, or `base2` for a second pass), point by point.
+    gains, runs, last_base = {}, {}, {}
+    for r in rows:
+        point = (r["run"], r["direction"], int(r["d"]), r["Nq"], r["causal"])
+        label = r["stage"][len(name):] if r["stage"].startswith(name) else None
+        if label in ("base", "base2"):
+            last_base[point] = float(r["tflops"])
+        elif label and point in last_base:
+            key = (label, r["direction"], int(r["d"]))
+            if runs.get(key) != r["run"]:
+                runs[key], gains[key] = r["run"], []
+            gains[key].append(last_base[point] / float(r["tflops"]) - 1)
+    used = sorted({runs[(label, direction, d)] for label, _ in SWIZZLE_SWITCHES
+                   for direction in ("fwd", "bwd") for d in (64, 128)
+                   if (label, direction, d) in runs})
+    if not used:
         return None
-    rows = [r for r in rows if r["run"] == runs[-1]]
-    value = {(r["stage"], r["direction"], int(r["d"]), int(r["Nq"]), r["causal"]):
-             float(r["tflops"]) for r in rows}
+    rows = [r for r in rows if r["run"] in used]
 
     def gain(label, direction, d):
-        """Mean over the points of (stage / switched off - 1), in %; the forward-only
-        switches were timed beside the stage's second pass (`base2`)."""
-        base = name + ("base2" if (name + "base2", direction, d, 4096, "0") in value and
-                       (name + label, "bwd", d, 4096, "0") not in value else "base")
-        pts = [k[3:] for k in value if k[0] == name + label and k[1] == direction and k[2] == d]
-        g = [value[(base, direction, d) + p] / value[(name + label, direction, d) + p] - 1
-             for p in pts if (base, direction, d) + p in value]
+        """Mean over the points of (stage / switched off - 1), in %."""
+        g = gains.get((label, direction, d))
         return f"{100 * sum(g) / len(g):.1f}" if g else "NaN"
 
     out = os.path.join(out_dir, "09_swizzle_pipeline_switches.png")
@@ -251,7 +262,7 @@ def swizzle_switches(result_dir, out_dir):
     return histogram_script(
         out, "Stage 09, what each technique buys: TFLOP/s gain over the stage with it switched "
         "off\\n{/*0.8 mean of N = 4096 and 16384, causal and not, fp16 (H = 2048/d, B = "
-        f"16384/N), command {runs[-1]}; {stamp(rows)}}}",
+        f"16384/N), commands {', '.join(used)}; {stamp(rows)}}}",
         "set ylabel 'gain (%)'\nset grid ytics\n", plotted)
 
 
