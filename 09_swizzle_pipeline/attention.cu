@@ -63,7 +63,7 @@ constexpr int Br = 128;
 #define ATTN_BC 128 /* at d <= 64 */
 #endif
 __host__ __device__ constexpr int bc_for(int d) { return d > 64 ? 64 : ATTN_BC; }
-/* Keys per tile where the device cannot give a block tile_bytes(d, Bc) (96 KiB at d = 128,
+/* Keys per tile where the device cannot give a block tile_bytes(d, bc_for(d)) (96 KiB at d = 128,
  * which every GPU since sm_80 allows; 102 KiB with -DATTN_SWIZZLE=0): half the keys. */
 constexpr int Bc_small = 32;
 static_assert(Bc_small % MmaK == 0, "a tile of keys is whole k-steps of P V");
@@ -279,8 +279,8 @@ __device__ void compute_qk_scores_and_max(const T *Q, const T *K, int cols, bool
     mma_tile<D, false, BC, RowFrags>(s, a, K, 0, kk * MmaK);
   }
   /* A compare and a select per element, which a branch skips on unmasked tiles at every d (08
-   * keeps them predicated at d = 128: a compare and a select per element on every tile, and
-   * 16 bytes of spill there; skipped, the d = 128 forward 5-8% faster and without spill). */
+   * keeps them predicated for two row fragments: on every tile, and with 16 bytes of spill in
+   * 09's d = 128 forward; skipped, that forward 5-8% faster and without spill). */
   int t = threadIdx.x % Quad;
   if (diagonal || cols < BC)
 #pragma unroll
