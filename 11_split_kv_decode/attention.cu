@@ -43,35 +43,30 @@
  */
 constexpr int MmaM = 16, MmaN = 8, MmaK = 16;
 constexpr int Quad = 4; /* lanes that share a row */
-/* A warp's query rows in the forward, in fragments: at d = 128 two, so that each K and V
- * operand loaded feeds two mma.sync; at d <= 64 one, which leaves registers for two blocks of
- * 8 warps an SM. Measured (H100, fp16, N = 4096 and 16384, forward TFLOP/s): at d = 128, 32
- * rows a warp 251-267 against 16 rows 202-213 (08); at d = 64, 16 rows 262-281, 32 rows
- * 259-276, and with 128 keys a tile 259-279 and 264-280: the same within noise. */
+/* A warp's query rows in the forward, in fragments: two at every d (08: one at d <= 64), so
+ * that each K and V operand loaded feeds two mma.sync and a warp reads half the shared memory
+ * per product. Measured (H100, fp16, N = 4096 to 16384, forward TFLOP/s): at d = 128, 32 rows
+ * a warp 251-267 against 16 rows 202-213 (08); at d = 64, with 128-key tiles, 324-360 against
+ * 16 rows over 64 keys with Q's operands kept in registers 273-291, and 32 rows over 64 keys
+ * 287-310 (one command, 02f781e). -DATTN_ROW_FRAGS=1: 16 rows at d <= 64. */
 #ifndef ATTN_ROW_FRAGS
-#define ATTN_ROW_FRAGS 1 /* at d <= 64; -DATTN_ROW_FRAGS=2 for the alternative */
+#define ATTN_ROW_FRAGS 2 /* at d <= 64 */
 #endif
 __host__ __device__ constexpr int row_frags(int d) { return d > 64 ? 2 : ATTN_ROW_FRAGS; }
-/* Where Q's A operands live: at d <= 64 in registers, loaded once (16 a lane); at d = 128
- * they would take 64 registers beside S and O, so they are reloaded from shared memory.
- * -DATTN_Q_IN_REGISTERS=0 reloads them every tile at every d, as 08 does. */
-#ifndef ATTN_Q_IN_REGISTERS
-#define ATTN_Q_IN_REGISTERS 1
-#endif
-__host__ __device__ constexpr bool q_in_registers(int d) {
-  return ATTN_Q_IN_REGISTERS && row_frags(d) == 1;
-}
 __host__ __device__ constexpr int threads_for(int rows, int f = 1) { return rows / f / MmaM * 32; }
 /* Query rows per block: 128, so that each K and V tile copied into shared memory serves 128
  * rows (8 warps of 16 rows, or 4 of 32). */
 constexpr int Br = 128;
 /* Keys per tile: a tile's Bc scores are a register array per thread, so Bc is small;
- * 64 keys, 32 scores a lane per 16 rows, ran 2-4% faster than 32 at d = 64, 4% at d = 128. */
+ * 64 keys, 32 scores a lane per 16 rows, ran 2-4% faster than 32 at d = 64, 4% at d = 128.
+ * At d <= 64, 128 (FlashAttention-2's 128 x 128 tile: 128 scores a lane beside 64 of O, no
+ * spill): with 32-row warps 13-17% faster than 64 keys (above); at d = 128, where O takes
+ * 128 registers, 128 keys spill 928 bytes. -DATTN_BC=64: 64 keys at d <= 64. */
 #ifndef ATTN_BC
-#define ATTN_BC 64
+#define ATTN_BC 128 /* at d <= 64 */
 #endif
-constexpr int Bc = ATTN_BC;
-/* Keys per tile where the device cannot give a block tile_bytes(d, Bc) (96 KiB at d = 128,
+__host__ __device__ constexpr int bc_for(int d) { return d > 64 ? 64 : ATTN_BC; }
+/* Keys per tile where the device cannot give a block tile_bytes(d, bc_for(d)) (96 KiB at d = 128,
  * which every GPU since sm_80 allows; 102 KiB with -DATTN_SWIZZLE=0): half the keys. */
 constexpr int Bc_small = 32;
 static_assert(Bc_small % MmaK == 0, "a tile of keys is whole k-steps of P V");
@@ -283,21 +278,23 @@ __device__ void compute_qk_scores_and_max(const T *Q, const unsigned (*q_frag)[4
 #pragma unroll
   for (int kk = 0; kk < D / MmaK; kk++) {
     unsigned a[RowFrags][4];
-    if (RowFrags > 1) /* Q's operands are in registers where the warp has one fragment */
+    if (RowFrags > 1) /* a warp of one fragment (16 rows) keeps Q's operands in registers */
 #pragma unroll
       for (int f = 0; f < RowFrags; f++) ldmatrix_x4(a[f], a_operand<D>(Q, f * MmaM, kk * MmaK));
     mma_tile<D, false, BC, RowFrags>(s, RowFrags == 1 ? q_frag + kk : a, K, 0, kk * MmaK);
   }
-  /* A compare and a select per element: with one fragment (d <= 64, or a decode group of up
-   * to 16 rows) a branch skips them on unmasked tiles; with two (09's d = 128) they stay
-   * predicated in the max's loop (the branch would cost 60 bytes of spills). */
+  /* A compare and a select per element, which a branch skips on unmasked tiles at every d (08
+   * keeps them predicated for two row fragments: on every tile, and with 16 bytes of spill in
+   * 09's d = 128 forward; skipped, that forward 5-8% faster and without spill). */
   int t = threadIdx.x % Quad;
-  if (RowFrags == 1 && masked)
+  if (masked)
 #pragma unroll
-    for (int n = 0; n < BC / MmaN; n++)
+    for (int f = 0; f < RowFrags; f++)
 #pragma unroll
-      for (int e = 0; e < 4; e++)
-        if (n * MmaN + 2 * t + e % 2 >= row_cols[e / 2]) s[0][n][e] = -INFINITY;
+      for (int n = 0; n < BC / MmaN; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++)
+          if (n * MmaN + 2 * t + e % 2 >= row_cols[2 * f + e / 2]) s[f][n][e] = -INFINITY;
 #pragma unroll
   for (int h = 0; h < LaneRows; h++) m_blk[h] = -INFINITY;
 #pragma unroll
@@ -305,11 +302,7 @@ __device__ void compute_qk_scores_and_max(const T *Q, const unsigned (*q_frag)[4
 #pragma unroll
     for (int n = 0; n < BC / MmaN; n++)
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
-        if (RowFrags > 1 && masked && n * MmaN + 2 * t + e % 2 >= row_cols[2 * f + e / 2])
-          s[f][n][e] = -INFINITY;
-        m_blk[2 * f + e / 2] = fmaxf(m_blk[2 * f + e / 2], s[f][n][e]);
-      }
+      for (int e = 0; e < 4; e++) m_blk[2 * f + e / 2] = fmaxf(m_blk[2 * f + e / 2], s[f][n][e]);
 #pragma unroll
   for (int h = 0; h < LaneRows; h++) m_blk[h] = max_over_quad(m_blk[h]);
 }
@@ -343,8 +336,9 @@ __device__ void merge_block_stats(const float *m_blk, float scale_log2, float *m
  * one FFMA, s c - m c (c = scale log2 e) with m c rounded apart, which moves it by at most
  * 2^-14 (p off by under 1e-4, relative) while every row of the warp has |m c| < FoldLimit;
  * past that (logits near 1e11, where the rounding alone is 4096 and 2^4096 = inf) the warp
- * subtracts m from s first, exactly. Forward +1 to +4% at d = 64; at d = 128, 3-5% slower,
- * so there s - m, then times c. -DATTN_FFMA_FOLD=0: s - m, then times c, at every d. */
+ * subtracts m from s first, exactly. Forward +1 to +4% at d = 64 (cb46417, 16-row warps);
+ * at d = 128, 3-5% slower, so there s - m, then times c. -DATTN_FFMA_FOLD=0: s - m, then
+ * times c, at every d. */
 #ifndef ATTN_FFMA_FOLD
 #define ATTN_FFMA_FOLD 1
 #endif
@@ -462,7 +456,7 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
   const T *Qw = Qs + (row0 - i0) * padded<T>(D); /* the warp's rows */
   float acc[RowFrags][D / MmaN][4] = {};
   float m[LaneRows], l[LaneRows], m_blk[LaneRows];
-  unsigned q_frag[q_in_registers(D) ? D / MmaK : 1][4];
+  unsigned q_frag[RowFrags == 1 ? D / MmaK : 1][4]; /* 16-row warps: Q in registers */
 #pragma unroll
   for (int h = 0; h < LaneRows; h++) m[h] = -INFINITY, l[h] = 0.f;
   load_tile<D, Br, Threads>(q + (bh * nq + i0) * D, min(Br, nq - i0), Qs);
@@ -508,7 +502,7 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
       row_cols[h] = diagonal ? min(cols, i + offset + 1 - j0 + 8 * h) : cols;
     const T *Kt = Ks + buf * BC * padded<T>(D), *Vt = Vs + buf * BC * padded<T>(D);
     float s[RowFrags][BC / MmaN][4] = {};
-    if (q_in_registers(D) && j0 == 0) /* Q has landed: its operands, once */
+    if (RowFrags == 1 && j0 == 0) /* Q has landed: its operands, once */
 #pragma unroll
       for (int kk = 0; kk < D / MmaK; kk++)
         ldmatrix_x4(q_frag[kk], a_operand<D>(Qs, row0 - i0, kk * MmaK));
@@ -549,17 +543,22 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
  *   - merge_chunks_kernel combines a row's chunks by their LSE, stage 02's merge of partial
  *     softmaxes, in a fixed order: no atomics, every run gives the same bits.
  * The rule: a problem takes this path when one block's rows hold its group's G Nq query rows
- * (G Nq <= 16 row_frags(d): 16 at d <= 64, 32 at d = 128), so that K and V are read once;
+ * (G Nq <= decode_rows(d): 16 at d <= 64, 32 at d = 128), so that K and V are read once;
  * any other problem takes 09's path above, which has GQA and cache lengths too. */
 /* The most rows a decode block takes. A group of up to 16 rows takes one fragment at every d:
  * at d = 128 one instead of two halves the products of the decode benchmark's 4 query rows
  * and takes the kernel from 214 registers to 162. Measured on an H100 (fp16, the benchmark's
  * B = 1 and 32 at 1k, 8k, 32k and 128k, each build timed twice in turn, one command): B = 1
  * 9% faster at 1k, 5% at 8k, 2.5% at 32k, and B = 32 3.4% faster at 1k and 0.3-1% at 8k to
- * 128k; B = 1 at 128k moved less than the spread of its repeats. */
-__host__ __device__ constexpr int decode_rows(int d) { return row_frags(d) * MmaM; }
+ * 128k; B = 1 at 128k moved less than the spread of its repeats. At most one fragment at
+ * d <= 64, two at d = 128: 09's rows a warp when this path and its rule were measured. (09's
+ * d <= 64 warps have had two since; a 32-row decode block at d <= 64, which would take groups
+ * of 17 to 32 rows off 09's path, has not been measured.) */
+__host__ __device__ constexpr int decode_frags(int d) { return d > 64 ? 2 : 1; }
+__host__ __device__ constexpr int decode_rows(int d) { return decode_frags(d) * MmaM; }
 /* Warps per decode block: 4, as a d = 128 block of 09 (two blocks an SM at 255 registers a
- * thread), each taking 16 keys of a tile, one k-step of P V; so a tile has 64 keys, 09's Bc,
+ * thread), each taking 16 keys of a tile, one k-step of P V; so a tile has 64 keys (09's at
+ * d = 128),
  * and a d = 128 block's K and V tiles move 32 KiB per tile, 8 copies of 16 bytes a thread. */
 constexpr int DecodeWarps = 4, DecodeThreads = DecodeWarps * 32, DecodeKeys = DecodeWarps * MmaK;
 /* Stages of the decode block's ring of K and V tiles: 2, as 09. A decode block has no
@@ -894,7 +893,7 @@ static bool decode_deep() {
 /* The chunk plan on this GPU, after checking that the decode block fits its shared memory. */
 template <int D, int STAGES, typename T>
 static decode_plan plan_decode(const attn_problem *p) {
-  attn_require_shared_memory((const void *)flash_decode_kernel<D, row_frags(D), STAGES, T>,
+  attn_require_shared_memory((const void *)flash_decode_kernel<D, decode_frags(D), STAGES, T>,
                              decode_bytes<T>(D, STAGES), "flash_decode_kernel");
   int device, sms;
   CUDA_CHECK(cudaGetDevice(&device));
@@ -914,13 +913,13 @@ static size_t decode_workspace(const attn_problem *p, decode_plan plan) {
          p->seq_q * (p->head_dim + 1);
 }
 
-template <int D, int STAGES, typename T, int FRAGS = row_frags(D)>
+template <int D, int STAGES, typename T, int FRAGS = decode_frags(D)>
 static void launch_decode(const attn_problem *p, const attn_buffers *t) {
   /* A group of up to 16 rows takes one row fragment, also where 09 gives a warp two (d = 128):
    * half the products and registers (see decode_rows). */
   if (FRAGS > 1 && attn_group(p) * p->seq_q <= MmaM) return launch_decode<D, STAGES, T, 1>(p, t);
   decode_plan plan = plan_decode<D, STAGES, T>(p);
-  if (FRAGS != row_frags(D))
+  if (FRAGS != decode_frags(D))
     attn_require_shared_memory((const void *)flash_decode_kernel<D, FRAGS, STAGES, T>,
                                decode_bytes<T>(D, STAGES), "flash_decode_kernel");
   long pairs = (long)p->batch * attn_heads_kv(p), blocks = pairs * plan.chunks;
@@ -962,7 +961,7 @@ static bool decode_shaped(const attn_problem *p, int d) {
 }
 
 /* fp16, or bf16 through launch<D, __nv_bfloat16>: the harness uploads the problem's dtype. */
-template <int D, typename T = __half, int BC = Bc>
+template <int D, typename T = __half, int BC = bc_for(D)>
 static void launch(const attn_problem *p, const attn_buffers *t) {
   if (p->dtype == DTYPE_BF16 && !std::is_same_v<T, __nv_bfloat16>)
     return launch<D, __nv_bfloat16>(p, t);
