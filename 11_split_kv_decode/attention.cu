@@ -558,8 +558,8 @@ __host__ __device__ constexpr int decode_frags(int d) { return d > 64 ? 2 : 1; }
 __host__ __device__ constexpr int decode_rows(int d) { return decode_frags(d) * MmaM; }
 /* Warps per decode block: 4, as a d = 128 block of 09 (two blocks an SM at 255 registers a
  * thread), each taking 16 keys of a tile, one k-step of P V; so a tile has 64 keys (09's at
- * d = 128),
- * and a d = 128 block's K and V tiles move 32 KiB per tile, 8 copies of 16 bytes a thread. */
+ * d = 128), and a d = 128 block's K and V tiles move 32 KiB per tile, 8 copies of 16 bytes a
+ * thread. */
 constexpr int DecodeWarps = 4, DecodeThreads = DecodeWarps * 32, DecodeKeys = DecodeWarps * MmaK;
 /* Stages of the decode block's ring of K and V tiles: 2, as 09. A decode block has no
  * arithmetic to hide its loads behind, only more loads, so a deeper ring looked promising;
