@@ -41,13 +41,11 @@
 constexpr int MmaM = 16, MmaN = 8, MmaK = 16;
 constexpr int Quad = 4; /* lanes that share a row */
 /* A warp's query rows in the forward, in fragments: two at every d (08: one at d <= 64), so
- * that each K and V operand loaded feeds two mma.sync and a warp reads half the shared memory
- * per product. Measured (H100, fp16, N = 4096 to 16384, forward TFLOP/s): at d = 128, 32 rows
- * a warp 251-267 against 16 rows 202-213 (08); at d = 64, with 128-key tiles, 324-360 against
- * 16 rows over 64 keys with Q's operands kept in registers 273-291, and 32 rows over 64 keys
- * 287-310 (one command, 02f781e). -DATTN_ROW_FRAGS=1: 16 rows at d <= 64. */
+ * that each K and V operand loaded feeds two mma.sync. Measured (H100, fp16, N = 4096 to 16384,
+ * forward TFLOP/s): at d = 128, 32 rows a warp 251-267 against 16 rows 202-213 (08); at d = 64
+ * over 128-key tiles 324-360, against 273-291 for 16 rows over 64 keys (one command, 02f781e). */
 #ifndef ATTN_ROW_FRAGS
-#define ATTN_ROW_FRAGS 2 /* at d <= 64 */
+#define ATTN_ROW_FRAGS 2 /* at d <= 64; 1: 16 rows */
 #endif
 __host__ __device__ constexpr int row_frags(int d) { return d > 64 ? 2 : ATTN_ROW_FRAGS; }
 __host__ __device__ constexpr int threads_for(int rows, int f = 1) { return rows / f / MmaM * 32; }
@@ -56,24 +54,21 @@ __host__ __device__ constexpr int threads_for(int rows, int f = 1) { return rows
 constexpr int Br = 128;
 /* Keys per tile: a tile's Bc scores are a register array per thread, so Bc is small;
  * 64 keys, 32 scores a lane per 16 rows, ran 2-4% faster than 32 at d = 64, 4% at d = 128.
- * At d <= 64, 128 (FlashAttention-2's 128 x 128 tile: 128 scores a lane beside 64 of O, no
- * spill): with 32-row warps 13-17% faster than 64 keys (above); at d = 128, where O takes
- * 128 registers, 128 keys spill 928 bytes. -DATTN_BC=64: 64 keys at d <= 64. */
+ * At d <= 64, 128 (FlashAttention-2's 128 x 128 tile, no spill): with 32-row warps 13-17%
+ * faster than 64 keys; at d = 128, where O takes 128 registers, 128 keys spill 928 bytes. */
 #ifndef ATTN_BC
-#define ATTN_BC 128 /* at d <= 64 */
+#define ATTN_BC 128 /* at d <= 64; 64: 64 keys */
 #endif
 __host__ __device__ constexpr int bc_for(int d) { return d > 64 ? 64 : ATTN_BC; }
 /* Keys per tile where the device cannot give a block tile_bytes(d, bc_for(d)) (96 KiB at d = 128,
  * which every GPU since sm_80 allows; 102 KiB with -DATTN_SWIZZLE=0): half the keys. */
 constexpr int Bc_small = 32;
 static_assert(Bc_small % MmaK == 0, "a tile of keys is whole k-steps of P V");
-/* Shared-memory tiles are stored without padding and with the 16-byte chunks of each row
- * permuted: logical chunk c of row r is stored at chunk c ^ (r % 8) (rows of 128 or 256
- * bytes) or c ^ (r / 2 % 4) (rows of 64 bytes, two to a 128-byte line). One ldmatrix phase
- * reads 8 rows at the same logical chunk; unpermuted, rows 128 or 256 bytes long all start
- * on bank 0 and those 8 reads queue on 4 banks, while permuted they land on 8 different
- * 16-byte bank groups, all 32 banks (08 padded every row by 16 bytes instead, which costs
- * 6-12% of the shared memory). At d = 64, where each logical chunk is stored:
+/* Shared-memory tiles are stored without padding, the 16-byte chunks of each row permuted:
+ * logical chunk c of row r at chunk c ^ (r % 8), or c ^ (r / 2 % 4) in rows of 64 bytes (two
+ * to a 128-byte line). One ldmatrix phase reads 8 rows at one logical chunk: unpermuted rows of
+ * 128 or 256 bytes queue those reads on 4 banks, permuted they cover all 32 (08 padded every
+ * row by 16 bytes instead, 6-12% more shared memory). At d = 64, where each chunk is stored:
  *
  *   logical chunk   0 1 2 3 4 5 6 7
  *   row 0           0 1 2 3 4 5 6 7
@@ -81,7 +76,7 @@ static_assert(Bc_small % MmaK == 0, "a tile of keys is whole k-steps of P V");
  *   row 2           2 3 0 1 6 7 4 5
  *   row 3           3 2 1 0 7 6 5 4      ... row 7: 7 6 5 4 3 2 1 0, row 8 as row 0
  *
- * -DATTN_SWIZZLE=0 builds 08's padded rows instead (the A/B table of the README). */
+ * -DATTN_SWIZZLE=0 builds 08's padded rows (the README's A/B table). */
 #ifndef ATTN_SWIZZLE
 #define ATTN_SWIZZLE 1
 #endif
@@ -118,18 +113,16 @@ static constexpr size_t tile_bytes(int d, int bc, int rows) {
  * zeroed, since they enter the products (where 0 times a stale NaN is NaN). */
 template <int D, int ROWS, int THREADS, typename T>
 __device__ void load_tile(const T *src, int rows, T *dst) {
-  /* THREADS is known at compile time, so the loop unrolls and each thread swizzles its offset
-   * once: a pass moves whole swizzle periods (8 rows), which leave the permutation alone.
-   * (Dividing a runtime index by W and swizzling on every copy cost about 30 instructions.) */
+  /* THREADS known at compile time: the loop unrolls, and each thread swizzles its offset once,
+   * as a pass moves whole swizzle periods (8 rows). (A runtime index cost ~30 instructions.) */
   constexpr int Chunk = 16 / sizeof(T), W = D / Chunk, Step = THREADS / W; /* rows a pass */
   static_assert(THREADS % W == 0 && Step % 8 == 0, "a pass moves whole swizzle periods");
   const int tid = threadIdx.x, r = tid / W;
   const T *from = src + tid * Chunk;
   T *to = dst + swizzle<D, T>(r, tid % W * Chunk);
   constexpr int Passes = (ROWS * W + THREADS - 1) / THREADS;
-  /* A whole tile (all but a sequence's last) copies without testing rows, as one run: in 09's
-   * forward 9 instructions less per K or V tile at d = 64 and about 55 at d = 128.
-   * -DATTN_WHOLE_TILES=0 tests every copy (09's A/B table). */
+  /* A whole tile (all but a sequence's last) copies without testing rows: in the forward 9
+   * instructions less per K or V tile at d = 64, ~55 at d = 128 (=0: tests every copy). */
   if (ATTN_WHOLE_TILES && rows >= ROWS && (ROWS * W) % THREADS == 0) {
 #pragma unroll
     for (int k = 0; k < Passes; k++)
@@ -181,10 +174,8 @@ __device__ void ldmatrix_x4_trans(unsigned *r, unsigned address) {
 }
 
 /* The shared-memory address of element (row + lane_row, col + lane_col) of a swizzled tile,
- * row a multiple of 8, col of 16. A column step changes only the chunk bits, which the
- * swizzle XORs with the row, so swizzle(r, c + col) = swizzle(r, c) XOR col (in bytes) in a
- * tile aligned to its row size: the lane's address is computed once, a step is one XOR, and
- * the row offset, which the swizzle does not see, is an immediate the loads fold in. */
+ * row a multiple of 8, col of 16: the lane's address is computed once, a column step (chunk
+ * bits only, which the swizzle XORs) is one XOR, and the row an immediate the loads fold in. */
 template <int D, typename T>
 __device__ unsigned operand_address(const T *tile, int lane_row, int lane_col, int row, int col) {
   unsigned lane = (unsigned)__cvta_generic_to_shared(tile + swizzle<D, T>(lane_row, lane_col));
@@ -279,8 +270,7 @@ __device__ void compute_qk_scores_and_max(const T *Q, const T *K, int cols, bool
     mma_tile<D, false, BC, RowFrags>(s, a, K, 0, kk * MmaK);
   }
   /* A compare and a select per element, which a branch skips on unmasked tiles at every d (08
-   * keeps them predicated for two row fragments: on every tile, and with 16 bytes of spill in
-   * 09's d = 128 forward; skipped, that forward 5-8% faster and without spill). */
+   * predicates them at d = 128; in 09 that spills 16 bytes, and the branch is 5-8% faster). */
   int t = threadIdx.x % Quad;
   if (diagonal || cols < BC)
 #pragma unroll
@@ -330,12 +320,10 @@ __device__ void merge_block_stats(const float *m_blk, float scale_log2, float *m
 
 /* p = 2^((s - m) scale log2(e)); l += p (the lane's columns: the quad's sums are added at the
  * end); acc += P V, two S accumulators per 16 keys an A operand. At d <= 64 the exponent is
- * one FFMA, s c - m c (c = scale log2 e) with m c rounded apart, which moves it by at most
- * 2^-14 (p off by under 1e-4, relative) while every row of the warp has |m c| < FoldLimit;
- * past that (logits near 1e11, where the rounding alone is 4096 and 2^4096 = inf) the warp
- * subtracts m from s first, exactly. Forward +1 to +4% at d = 64 (cb46417, 16-row warps);
- * at d = 128, 3-5% slower, so there s - m, then times c. -DATTN_FFMA_FOLD=0: s - m, then
- * times c, at every d. */
+ * one FFMA, s c - m c (c = scale log2 e) with m c rounded apart: the exponent moves by at most
+ * 2^-14 while every row of the warp has |m c| < FoldLimit; past that (logits near 1e11, where
+ * that rounding is 4096) the warp subtracts m first, exactly. Forward +4.5 to +9% at d = 64 (the
+ * A/B table); at d = 128 3-5% slower, so 08's form there (everywhere with -DATTN_FFMA_FOLD=0). */
 #ifndef ATTN_FFMA_FOLD
 #define ATTN_FFMA_FOLD 1
 #endif
@@ -541,10 +529,9 @@ constexpr int Bc_bwd = 128;
 constexpr int Bc_bwd_small = 64;
 /* Query steps (16 queries) per load of a dK/dV warp's K and V operands, each feeding QSteps
  * products. Backward TFLOP/s (N = 4096 and 16384, one command): d = 128, 4 steps 164-204,
- * 1 146-180, 2 157-196; d = 64, 2 steps 160-196, 1 159-191, 4 151-183 (spills; 150-179 with
- * one block an SM). -DATTN_BWD_QSTEPS=N sets N at every d. */
+ * 1 146-180, 2 157-196; d = 64, 2 steps 160-196, 1 159-191, 4 151-183 (spills). */
 #ifndef ATTN_BWD_QSTEPS
-#define ATTN_BWD_QSTEPS 0
+#define ATTN_BWD_QSTEPS 0 /* N: N steps at every d */
 #endif
 __host__ __device__ constexpr int query_steps(int d) {
   return ATTN_BWD_QSTEPS ? ATTN_BWD_QSTEPS : d > 64 ? 4 : 2;
@@ -576,8 +563,8 @@ static_assert(rows_bwd(Bc_bwd_small) % MmaK == 0 && Bc_dq % MmaK == 0, "whole k-
  * blocks of 4 warps (up to 255 registers: dK and dV of 32 keys take 128); at d = 128, 1 of 8. */
 __host__ __device__ constexpr int dkdv_blocks_per_sm(int d) { return d <= 64 ? 2 : 1; }
 /* Blocks of the dQ kernel that must fit an SM, with its Q and dO operands in registers: 4 at
- * d <= 64 (128 registers, an 8-byte spill, 08's none; at d = 64 uncapped 132, 3 blocks) and 3
- * at d = 128 (168, a 108-byte spill, 08's 8; uncapped 178, 2 blocks). */
+ * d <= 64 (128 registers, an 8-byte spill; at d = 64 uncapped 132, 3 blocks) and 3 at d = 128
+ * (168, a 108-byte spill; uncapped 178, 2 blocks). */
 __host__ __device__ constexpr int dq_blocks_per_sm(int d) { return d <= 64 ? 4 : 3; }
 
 /* dQ's atomics on sm_90 and later: a lane adds its two adjacent columns as one float2, so a
@@ -588,8 +575,7 @@ __host__ __device__ constexpr int dq_blocks_per_sm(int d) { return d <= 64 ? 4 :
 #define ATTN_PAIRED_ATOMICS 1
 #endif
 
-/* D of every row, then, from a 16-byte boundary (the float2 atomics need 8), the fp32 dQ
- * that the dK/dV kernel adds into by atomics. */
+/* D of every row, then, 16-byte aligned for the float2 atomics, the fp32 dQ they add into. */
 static size_t delta_floats(size_t rows) { return (rows + 3) / 4 * 4; }
 static size_t backward_workspace(const attn_problem *p) {
   return sizeof(float) *
@@ -621,9 +607,9 @@ __global__ void compute_delta_kernel(const T *o, const T *d_o, float *delta, lon
   delta[r] = sum;
 }
 
-/* Copies `rows` rows of LSE and D into shared memory, by cp.async like the Q and dO tiles
- * (a plain load would stall its warp on global memory's latency every tile); the rows past
- * them up to `tile_rows` get 0 (they are masked anyway). LSE becomes log2 units where read. */
+/* Copies `rows` rows of LSE and D into shared memory, by cp.async like the Q and dO tiles, not
+ * stalling on global memory every tile; the rows past them up to `tile_rows` get 0 (they are
+ * masked anyway). LSE becomes log2 units where read. */
 __device__ void load_row_stats(const float *lse, const float *delta, int rows, int tile_rows,
                                float *lse_s, float *delta_s) {
   for (int e = threadIdx.x; e < tile_rows; e += blockDim.x) {
