@@ -413,7 +413,7 @@ __device__ void normalize_output(const float (*acc)[D / MmaN][4], const float *m
   store_tile<D, RowFrags>(acc, inv_l, O, rows);
 }
 
-template <int D, int BC, typename T>
+template <int D, int BC, bool GROUPED, typename T>
 __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
     flash_forward_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                          const int *__restrict__ cache_lens, T *__restrict__ o,
@@ -438,9 +438,12 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
   /* The warp's rows start at row0; this lane holds rows i + 8 h. */
   int row0 = i0 + threadIdx.x / 32 * RowFrags * MmaM, i = row0 + threadIdx.x % 32 / Quad;
   /* Query head bh reads K/V head bh / G (b H / G = b Hkv), whose rows are Nkv apart (the
-   * cache's capacity); sequence b = bh / H holds `len` valid keys. */
-  const T *K = k + bh / group * nkv * D, *V = v + bh / group * nkv * D;
-  int len = cache_lens ? cache_lens[bh / seq_heads] : nkv;
+   * cache's capacity); sequence b = bh / H holds `len` valid keys. Not GROUPED (G = 1, no
+   * cache lengths), head bh and Nkv keys, as in 09: the quotient and `len` held in registers
+   * cost 09's tile loop at d = 64 62 instructions (IMAD) and 20 bytes of spill. */
+  const long kv_head = GROUPED ? bh / group : bh;
+  const T *K = k + kv_head * nkv * D, *V = v + kv_head * nkv * D;
+  int len = GROUPED && cache_lens ? cache_lens[bh / seq_heads] : nkv;
   const T *Qw = Qs + (row0 - i0) * padded<T>(D); /* the warp's rows */
   float acc[RowFrags][D / MmaN][4] = {};
   float m[LaneRows], l[LaneRows], m_blk[LaneRows];
@@ -960,9 +963,11 @@ static void launch(const attn_problem *p, const attn_buffers *t) {
   if (BC > Bc_small && bytes > attn_shared_memory_limit()) return launch<D, T, Bc_small>(p, t);
   int heads = p->batch * p->heads;
   dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
-  attn_require_shared_memory((const void *)flash_forward_kernel<D, BC, T>, bytes,
-                             "flash_forward_kernel");
-  flash_forward_kernel<D, BC><<<grid, threads_for(Br, row_frags(D)), bytes, attn_stream()>>>(
+  bool grouped = attn_group(p) > 1 || p->cache_lens;
+  auto kernel =
+      grouped ? flash_forward_kernel<D, BC, true, T> : flash_forward_kernel<D, BC, false, T>;
+  attn_require_shared_memory((const void *)kernel, bytes, "flash_forward_kernel");
+  kernel<<<grid, threads_for(Br, row_frags(D)), bytes, attn_stream()>>>(
       (const T *)t->q, (const T *)t->k, (const T *)t->v, t->cache_lens, (T *)t->o, t->lse, p->seq_q,
       p->seq_kv, heads, p->heads, attn_group(p), p->scale, p->causal);
   CHECK_LAUNCH("flash_forward_kernel");
