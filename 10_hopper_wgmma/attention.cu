@@ -120,7 +120,7 @@ constexpr int KvStages = 2;
  *   row 2           2 3 0 1 6 7 4 5
  *   row 3           3 2 1 0 7 6 5 4      ... row 7: 7 6 5 4 3 2 1 0, row 8 as row 0
  *
- * -DATTN_SWIZZLE=0 builds 08's padded rows (the README's A/B table). */
+ * -DATTN_SWIZZLE=0 builds 08's padded rows (09's A/B table). */
 #ifndef ATTN_SWIZZLE
 #define ATTN_SWIZZLE 1
 #endif
@@ -162,7 +162,7 @@ __device__ void load_tile(const T *src, int rows, T *dst) {
   const T *from = src + tid * Chunk;
   T *to = dst + swizzle<D, T>(r, tid % W * Chunk);
   constexpr int Passes = (ROWS * W + THREADS - 1) / THREADS;
-  /* A whole tile (all but a sequence's last) copies without testing rows: in the forward 9
+  /* A whole tile (all but a sequence's last) copies without testing rows: in 09's forward 9
    * instructions less per K or V tile at d = 64, ~55 at d = 128 (=0: tests every copy). */
   if (ATTN_WHOLE_TILES && rows >= ROWS && (ROWS * W) % THREADS == 0) {
 #pragma unroll
@@ -982,7 +982,8 @@ __host__ __device__ constexpr int dq_blocks_per_sm(int d) { return d <= 64 ? 4 :
 #define ATTN_PAIRED_ATOMICS 1
 #endif
 
-/* D of every row, then, 16-byte aligned for the float2 atomics, the fp32 dQ they add into. */
+/* D of every row, then, from a 16-byte boundary (the float2 atomics need 8), the fp32 dQ they
+ * add into. */
 static size_t delta_floats(size_t rows) { return (rows + 3) / 4 * 4; }
 static size_t backward_workspace(const attn_problem *p) {
   return sizeof(float) *

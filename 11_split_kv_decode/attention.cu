@@ -46,7 +46,8 @@ constexpr int Quad = 4; /* lanes that share a row */
 /* A warp's query rows in the forward, in fragments: two at every d (08: one at d <= 64), so
  * that each K and V operand loaded feeds two mma.sync. Measured (H100, fp16, N = 4096 to 16384,
  * forward TFLOP/s): at d = 128, 32 rows a warp 251-267 against 16 rows 202-213 (08); at d = 64
- * over 128-key tiles 324-360, against 273-291 for 16 rows over 64 keys (one command, 02f781e). */
+ * 287-310 over 64-key tiles, 324-360 over 128, against 273-291 for 16 rows over 64 keys (one
+ * command, 02f781e). */
 #ifndef ATTN_ROW_FRAGS
 #define ATTN_ROW_FRAGS 2 /* at d <= 64; 1: 16 rows */
 #endif
@@ -79,7 +80,7 @@ static_assert(Bc_small % MmaK == 0, "a tile of keys is whole k-steps of P V");
  *   row 2           2 3 0 1 6 7 4 5
  *   row 3           3 2 1 0 7 6 5 4      ... row 7: 7 6 5 4 3 2 1 0, row 8 as row 0
  *
- * -DATTN_SWIZZLE=0 builds 08's padded rows (the README's A/B table). */
+ * -DATTN_SWIZZLE=0 builds 08's padded rows (09's A/B table). */
 #ifndef ATTN_SWIZZLE
 #define ATTN_SWIZZLE 1
 #endif
@@ -124,7 +125,7 @@ __device__ void load_tile(const T *src, int rows, T *dst) {
   const T *from = src + tid * Chunk;
   T *to = dst + swizzle<D, T>(r, tid % W * Chunk);
   constexpr int Passes = (ROWS * W + THREADS - 1) / THREADS;
-  /* A whole tile (all but a sequence's last) copies without testing rows: in the forward 9
+  /* A whole tile (all but a sequence's last) copies without testing rows: in 09's forward 9
    * instructions less per K or V tile at d = 64, ~55 at d = 128 (=0: tests every copy). */
   if (ATTN_WHOLE_TILES && rows >= ROWS && (ROWS * W) % THREADS == 0) {
 #pragma unroll
@@ -325,7 +326,7 @@ __device__ void merge_block_stats(const float *m_blk, float scale_log2, float *m
  * end); acc += P V, two S accumulators per 16 keys an A operand. At d <= 64 the exponent is
  * one FFMA, s c - m c (c = scale log2 e) with m c rounded apart: the exponent moves by at most
  * 2^-14 while every row of the warp has |m c| < FoldLimit; past that (logits near 1e11, where
- * that rounding is 4096) the warp subtracts m first, exactly. Forward +4.5 to +9% at d = 64 (the
+ * that rounding is 4096) the warp subtracts m first, exactly. Forward +4.5 to +9% at d = 64 (09's
  * A/B table); at d = 128 3-5% slower, so 08's form there (everywhere with -DATTN_FFMA_FOLD=0). */
 #ifndef ATTN_FFMA_FOLD
 #define ATTN_FFMA_FOLD 1
@@ -1054,7 +1055,8 @@ __host__ __device__ constexpr int dq_blocks_per_sm(int d) { return d <= 64 ? 4 :
 #define ATTN_PAIRED_ATOMICS 1
 #endif
 
-/* D of every row, then, 16-byte aligned for the float2 atomics, the fp32 dQ they add into. */
+/* D of every row, then, from a 16-byte boundary (the float2 atomics need 8), the fp32 dQ they
+ * add into. */
 static size_t delta_floats(size_t rows) { return (rows + 3) / 4 * 4; }
 static size_t backward_workspace(const attn_problem *p) {
   return sizeof(float) *
