@@ -440,8 +440,8 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
   int row0 = i0 + threadIdx.x / 32 * RowFrags * MmaM, i = row0 + threadIdx.x % 32 / Quad;
   /* Query head bh reads K/V head bh / G (b H / G = b Hkv), whose rows are Nkv apart (the
    * cache's capacity); sequence b = bh / H holds `len` valid keys. Not GROUPED (G = 1, no
-   * cache lengths), head bh and Nkv keys, as in 09: the quotient and `len` held in registers
-   * cost 09's tile loop at d = 64 62 instructions (IMAD) and 20 bytes of spill. */
+   * cache lengths), head bh and Nkv keys, as in 09: held in registers, the quotient and `len`
+   * cost the d = 64 tile loop 62 more instructions (IMAD) and 20 bytes of spill. */
   const long kv_head = GROUPED ? bh / group : bh;
   const T *K = k + kv_head * nkv * D, *V = v + kv_head * nkv * D;
   int len = GROUPED && cache_lens ? cache_lens[bh / seq_heads] : nkv;
