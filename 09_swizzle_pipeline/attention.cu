@@ -323,7 +323,7 @@ __device__ void merge_block_stats(const float *m_blk, float scale_log2, float *m
  * end); acc += P V, two S accumulators per 16 keys an A operand. At d <= 64 the exponent is
  * one FFMA, s c - m c (c = scale log2 e) with m c rounded apart: the exponent moves by at most
  * 2^-14 while every row of the warp has |m c| < FoldLimit; past that (logits near 1e11, where
- * that rounding is 4096) the warp subtracts m first, exactly. Forward +4.5 to +9% at d = 64 (the
+ * that rounding is 4096) the warp subtracts m first, exactly. Forward +4.6 to +9% at d = 64 (the
  * A/B table); at d = 128 3-5% slower, so 08's form there (everywhere with -DATTN_FFMA_FOLD=0). */
 #ifndef ATTN_FFMA_FOLD
 #define ATTN_FFMA_FOLD 1
