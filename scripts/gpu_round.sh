@@ -19,8 +19,10 @@
 # compute-sanitizer lives elsewhere there; the tests that run cmake -P use the cmake path of
 # that machine, so link it where it is missing).
 # TESTS: extra ctest arguments for both test phases; SANITIZER_JOBS: sanitizer tests run at
-# once (default 8; on an H100 with 16, the 100 sanitizer tests take about 6 minutes, most of
-# it 06's racecheck). SWEEP: the stages to sweep (default: every GPU stage); SWEEP_BUDGET:
+# once (default 8; on an H100 with 16, the 188 sanitizer tests take about 7 minutes, and the
+# 3125 other GPU tests about 12 at 16 jobs: where a command has 10 minutes, give each phase
+# its own, and the tests in slices, `-I START,END` in TESTS counting the tests the phase
+# selects). SWEEP: the stages to sweep (default: every GPU stage); SWEEP_BUDGET:
 # seconds after which the sweep starts no new point; SWEEP_SEQ, SWEEP_DTYPES: a subset of
 # the sweep's sequence lengths and dtypes.
 # VARIANTS="STAGE LABEL=FLAGS ...": the variants phase times STAGE built with each LABEL's
