@@ -17,7 +17,13 @@ if(ATTN_ENABLE_CUDA)
           set(detected "${CMAKE_MATCH_1}${CMAKE_MATCH_2}")
         endif()
       endif()
-      if(detected)
+      if(detected AND detected LESS 80)
+        # The stages need compute capability 8.0 (07 does not even compile for less): build
+        # as for a machine without a GPU; the GPU tests then show as skipped here.
+        set(CMAKE_CUDA_ARCHITECTURES "80;90" CACHE STRING "CUDA architectures")
+        message(STATUS "CUDA: the GPU present is sm_${detected}, older than the stages' 8.0; "
+                       "building for sm_80 and sm_90, and its GPU tests will be skipped")
+      elseif(detected)
         set(CMAKE_CUDA_ARCHITECTURES ${detected} CACHE STRING "CUDA architectures")
         message(STATUS "CUDA: building for the GPU present (sm_${detected})")
       else()

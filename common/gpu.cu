@@ -106,6 +106,14 @@ static int gpu_open(attn_stamp *stamp) {
   }
   cudaDeviceProp prop;
   CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  /* Every GPU stage is built for compute capability 8.0 and later (cp.async, bf16, ldmatrix
+   * and mma.sync in the half-precision stages); an older GPU would fail at its first launch. */
+  if (prop.major < 8) {
+    fprintf(stderr,
+            "%s: skipped: no CUDA device of compute capability 8.0 or later (%s is %d.%d)\n",
+            attn_program_name, prop.name, prop.major, prop.minor);
+    return EXIT_NO_DEVICE;
+  }
   snprintf(stamp->device, sizeof stamp->device, "%.127s", prop.name);
   stamp->units = prop.multiProcessorCount;
   int runtime;
