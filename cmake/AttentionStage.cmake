@@ -1,5 +1,8 @@
-# attention_stage(NAME SOURCE [CAUSAL] [BACKWARD] [ANY_DIM] [GQA] [CACHE_LENS] [DIMS d...]
-#                 [DTYPES t...])
+# attention_stage(NAME SOURCE [CAUSAL] [BACKWARD] [ATOMIC_DQ] [ANY_DIM] [GQA] [CACHE_LENS]
+#                 [DIMS d...] [DTYPES t...])
+#
+# ATOMIC_DQ: the backward adds dQ by fp32 atomics by default, and ATTN_DETERMINISTIC=1 runs
+# another path; that path gets tests of its own.
 #
 # Builds one stage program (a .c file runs on the CPU, a .cu file on the GPU) and registers
 # its CTest cases, named "<stage>.<case>" so that `ctest -R 02_` runs one stage, and
@@ -76,7 +79,7 @@ function(attn_compare_runs stage case kind mode)
 endfunction()
 
 function(attention_stage name source)
-  cmake_parse_arguments(ARG "CAUSAL;BACKWARD;ANY_DIM;GQA;CACHE_LENS" "" "DIMS;DTYPES" ${ARGN})
+  cmake_parse_arguments(ARG "CAUSAL;BACKWARD;ATOMIC_DQ;ANY_DIM;GQA;CACHE_LENS" "" "DIMS;DTYPES" ${ARGN})
   get_filename_component(ext ${source} LAST_EXT)
   if(ext STREQUAL ".cu")
     if(NOT ATTN_CUDA)
@@ -210,8 +213,9 @@ function(attention_stage name source)
         endif()
       endif()
       if(kind STREQUAL "gpu")
-        # More (batch, head) pairs than 4 x the SMs of an H100 (132) or an A100 (108).
-        attn_test(${name} heads.many${m}${t} ${kind} ${common_args} ${c} ${bwd} -b 8 -H 72
+        # More (batch, head) pairs than 4 x the SMs of any GPU of up to 160 SMs (an A100 has
+        # 108, an H100 132, a B200 148).
+        attn_test(${name} heads.many${m}${t} ${kind} ${common_args} ${c} ${bwd} -b 8 -H 80
                   -n 64 -d 64)
         # Past the grid's y and z limits (65535): B x H = 65538.
         attn_test(${name} heads.over_65535${m}${t} ${kind} ${common_args} ${c} ${bwd} -b 2
@@ -222,6 +226,31 @@ function(attention_stage name source)
         # (A stage that adds dQ by atomics has a deterministic path: the one tested here.)
         set_tests_properties(${name}.deterministic${m}${t} PROPERTIES
                              ENVIRONMENT ATTN_DETERMINISTIC=1)
+        if(ARG_ATOMIC_DQ)
+          # That path's own kernels, checked like the default's: every head dim, Nq != Nkv
+          # (causal: rows that see no key), B x H past 65535, and the tiles of a 99 KiB GPU.
+          set(det_cases)
+          foreach(d ${dims})
+            list(APPEND det_cases "d${d}.q200kv67:-b,2,-H,3,--seq-q,200,--seq-kv,67,-d,${d}"
+                 "d${d}.q127kv513:-b,2,-H,3,--seq-q,127,--seq-kv,513,-d,${d}")
+          endforeach()
+          list(GET ATTN_SMALL_SHARED_MEMORY 0 smallest)
+          list(APPEND det_cases "heads.over_65535:-b,2,-H,32769,-n,3,-d,${d0}"
+               "smem${smallest}.d128.q127kv513:-b,2,-H,3,--seq-q,127,--seq-kv,513,-d,128")
+          foreach(case ${det_cases})
+            string(REGEX REPLACE ":.*" "" cn "${case}")
+            string(REGEX REPLACE "^[^:]*:" "" shape "${case}")
+            string(REPLACE "," ";" shape "${shape}")
+            attn_test(${name} deterministic_dq.${cn}${m}${t} ${kind} ${common_args} ${c} ${bwd}
+                      ${shape})
+            set(env ATTN_DETERMINISTIC=1)
+            if(cn MATCHES "^smem")
+              list(APPEND env ATTN_SHARED_MEMORY_LIMIT=${smallest})
+            endif()
+            set_tests_properties(${name}.deterministic_dq.${cn}${m}${t} PROPERTIES
+                                 ENVIRONMENT "${env}")
+          endforeach()
+        endif()
         # The tiles the smallest GPUs get (see ATTN_SMALL_SHARED_MEMORY), every head dim.
         foreach(limit ${ATTN_SMALL_SHARED_MEMORY})
           foreach(d ${dims})
@@ -280,6 +309,17 @@ function(attention_stage name source)
           endif()
         endforeach()
       endforeach()
+      if(ARG_ATOMIC_DQ)
+        # The deterministic dQ path (ATTN_DETERMINISTIC=1), causal with rows that see no key.
+        list(GET dtypes 0 dtype)
+        set(extra --dtype ${dtype} --backward)
+        if(ARG_CAUSAL)
+          list(APPEND extra --causal --seq-q 130 --seq-kv 97)
+        endif()
+        attn_sanitizer_test(${name} deterministic_dq ${tool} ${small} ${extra})
+        set_tests_properties(${name}.sanitizer.${tool}.deterministic_dq PROPERTIES
+                             ENVIRONMENT ATTN_DETERMINISTIC=1)
+      endif()
     endforeach()
   endif()
 
@@ -297,9 +337,18 @@ function(attention_stage name source)
     endforeach()
   endif()
 
-  # Save, then load what was saved: the same output bit for bit.
+  # Save, then load what was saved: the same outputs bit for bit, and where the stage has a
+  # backward, dO and the gradients too (with ATTN_DETERMINISTIC=1: atomics add in no fixed
+  # order).
+  set(save_backward "")
+  if(ARG_BACKWARD)
+    set(save_backward --backward)
+  endif()
   attn_compare_runs(${name} save_load ${kind} reload --check -b 2 -H 3 --seq-q 97
-                    --seq-kv 130 -d ${d0})
+                    --seq-kv 130 -d ${d0} ${save_backward})
+  if(ARG_BACKWARD)
+    set_tests_properties(${name}.save_load PROPERTIES ENVIRONMENT ATTN_DETERMINISTIC=1)
+  endif()
 
   # Bad input: exit 2 with one line saying what and why.
   attn_expect(${name} bad.zero_seq ${kind} 2 "--seq must be an integer" -n 0)

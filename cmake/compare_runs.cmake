@@ -1,5 +1,6 @@
 # cmake -DPROGRAM=... -DARGS=a^b -DMODE=reload|repeat -DWORK_DIR=... -P compare_runs.cmake
-# reload: run with --save A, then --load A --save B: every .npy in B equals the one in A.
+# reload: run with --save A, then --load A --save B (with A's --causal and --backward): every
+# .npy in B equals the one in A.
 # repeat: run twice with --save A and --save B: the outputs are identical bit for bit.
 string(REPLACE "^" ";" args "${ARGS}")
 file(REMOVE_RECURSE ${WORK_DIR})
@@ -22,7 +23,14 @@ if(skipped)
   return()
 endif()
 if(MODE STREQUAL "reload")
-  run(--load ${WORK_DIR}/a --save ${WORK_DIR}/b --check)
+  # The sizes come from the files; what to compute comes from the options.
+  set(passes "")
+  foreach(option --causal --backward)
+    if(option IN_LIST args)
+      list(APPEND passes ${option})
+    endif()
+  endforeach()
+  run(--load ${WORK_DIR}/a --save ${WORK_DIR}/b --check ${passes})
 else()
   run(${args} --save ${WORK_DIR}/b)
 endif()
