@@ -8,9 +8,10 @@ torch.nn.functional.scaled_dot_product_attention.
 q is [B, H, Nq, d], k and v [B, H, Nkv, d] (or [B, Hkv, Nkv, d] with enable_gqa=True: stage
 11, forward only), CUDA tensors. The kernels are the stage programs' own (each stage's .cu
 file built as a library, common/stage_library.cu), run on PyTorch's tensors: the output is
-allocated by PyTorch and written by the kernel, nothing is copied (inputs that are not
-contiguous are made contiguous first: the kernels read row-major
-[B, H, N, d], docs/conventions.md section 1). Two custom operators, flash_stages::forward
+allocated by PyTorch and written by the kernel. Inputs in the kernels' layout (contiguous
+row-major [B, H, N, d], docs/conventions.md section 1, starting on a 16-byte boundary) are
+read in place; any other layout, such as [B, N, H, d].transpose(1, 2), is first copied into
+it. Two custom operators, flash_stages::forward
 and flash_stages::backward, carry the autograd formula and a fake-tensor implementation, so
 torch.compile traces a call without a graph break.
 
@@ -50,6 +51,11 @@ HALF_STAGES = ("07_tensor_cores", "08_mma_sync", "09_swizzle_pipeline", "10_hopp
 # Stages built for one architecture only (sm_90a): the compute capability they need. The
 # program would exit on any other GPU; here the call is refused (or falls back) instead.
 _NEEDS_CAPABILITY = {"10_hopper_wgmma": (9, 0)}
+# Every stage is built for compute capability 8.0 and later (docs/conventions.md section 6).
+_MIN_CAPABILITY = (8, 0)
+# The largest sizes the stage programs accept (common/runner.c): each dimension, and the
+# elements of one head's rows (the kernels index a head's N x d elements in 32 bits).
+_MAX_DIM, _MAX_HEAD_ELEMS = 1 << 24, 1 << 31
 
 _TORCH_DTYPE = {_library.DTYPE_FP32: torch.float32, _library.DTYPE_FP16: torch.float16,
                 _library.DTYPE_BF16: torch.bfloat16}
@@ -105,9 +111,12 @@ def _unknown_stage(name):
 
 def _unsupported(info, q, k, v, is_causal, enable_gqa, needs_grad):
     """Why `info`'s stage cannot compute this call, or None."""
+    have = torch.cuda.get_device_capability(q.device)
+    if have < _MIN_CAPABILITY:
+        return (f"{info.name} needs compute capability {_MIN_CAPABILITY[0]}.{_MIN_CAPABILITY[1]} "
+                f"or later; this GPU is {have[0]}.{have[1]}")
     needs = _NEEDS_CAPABILITY.get(info.name)
-    if needs and torch.cuda.get_device_capability(q.device) != needs:
-        have = torch.cuda.get_device_capability(q.device)
+    if needs and have != needs:
         return (f"{info.name} needs compute capability {needs[0]}.{needs[1]} (Hopper); "
                 f"this GPU is {have[0]}.{have[1]}")
     if q.dtype not in info.dtypes:
@@ -133,34 +142,35 @@ def _unsupported(info, q, k, v, is_causal, enable_gqa, needs_grad):
 
 
 def _check_inputs(q, k, v, enable_gqa):
-    """Errors no stage and no fallback could fix: SDPA would refuse these too."""
+    """Inputs no stage computes, whatever the stage: why, or None. With fallback=True they go
+    to SDPA, which computes some of them (CPU tensors, other ranks) and refuses the rest."""
     for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, torch.Tensor):
-            raise FlashStagesError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            return f"{name} must be a torch.Tensor, got {type(t).__name__}"
         if t.dim() != 4:
-            raise FlashStagesError(f"{name} must be 4-D [B, H, N, d], got shape "
-                                   f"{tuple(t.shape)}")
+            return f"{name} must be 4-D [B, H, N, d], got shape {tuple(t.shape)}"
         if t.device.type != "cuda":
-            raise FlashStagesError(f"{name} is on {t.device}; the stages run on CUDA tensors")
+            return f"{name} is on {t.device}; the stages run on CUDA tensors"
     if not (q.device == k.device == v.device):
-        raise FlashStagesError(f"query, key and value are on {q.device}, {k.device}, "
-                               f"{v.device}: they must share one device")
+        return (f"query, key and value are on {q.device}, {k.device}, "
+                f"{v.device}: they must share one device")
     if not (q.dtype == k.dtype == v.dtype):
-        raise FlashStagesError(f"query, key and value have dtypes {q.dtype}, {k.dtype}, "
-                               f"{v.dtype}: they must match")
+        return (f"query, key and value have dtypes {q.dtype}, {k.dtype}, "
+                f"{v.dtype}: they must match")
     (b, h, nq, d), (bk, hk, nkv, dk) = q.shape, k.shape
     if k.shape != v.shape:
-        raise FlashStagesError(f"key {tuple(k.shape)} and value {tuple(v.shape)} must have one "
-                               "shape")
+        return (f"key {tuple(k.shape)} and value {tuple(v.shape)} must have one "
+                "shape")
     if bk != b or dk != d:
-        raise FlashStagesError(f"query {tuple(q.shape)} and key {tuple(k.shape)} must agree in "
-                               "batch and head dim")
+        return (f"query {tuple(q.shape)} and key {tuple(k.shape)} must agree in "
+                "batch and head dim")
     if hk != h and not (enable_gqa and hk > 0 and h % hk == 0):
-        raise FlashStagesError(f"query has {h} heads and key {hk}: set enable_gqa=True for "
-                               "grouped-query attention (query heads a multiple of key heads)")
-    if max(b, h, nq, nkv, d) > 2**31 - 1:
-        raise FlashStagesError(f"a dimension of {tuple(q.shape)} / {tuple(k.shape)} exceeds "
-                               "2^31 - 1")
+        return (f"query has {h} heads and key {hk}: set enable_gqa=True for "
+                "grouped-query attention (query heads a multiple of key heads)")
+    if max(b, h, nq, nkv, d) > _MAX_DIM or max(nq, nkv) * d >= _MAX_HEAD_ELEMS:
+        return (f"{tuple(q.shape)} / {tuple(k.shape)} is too large: each size at most 2^24, "
+                "and N x d under 2^31 (the stage programs' limits)")
+    return None
 
 
 _warned = set()
@@ -176,7 +186,7 @@ def _warn_once(why, stacklevel):
 def _fallback(q, k, v, is_causal, scale, enable_gqa, why):
     _warn_once(why, 4)
     F = torch.nn.functional
-    nq, nkv = q.shape[2], k.shape[2]
+    nq, nkv = q.shape[-2], k.shape[-2]
     if is_causal and nq != nkv:
         # The stages' bottom-right alignment, which SDPA's is_causal (top-left) is not.
         from torch.nn.attention.bias import causal_lower_right
@@ -194,7 +204,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     fallback: True sends what the stage cannot compute to torch SDPA (with a warning) instead
     of raising FlashStagesError."""
     q, k, v = query, key, value
-    _check_inputs(q, k, v, enable_gqa)
+    why = _check_inputs(q, k, v, enable_gqa)
+    if why is not None:
+        if fallback and all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+            return _fallback(q, k, v, is_causal, scale, enable_gqa, why)
+        raise FlashStagesError(why)
     if attn_mask is not None or dropout_p != 0.0:
         why = "the stages take no attn_mask and no dropout (use is_causal for the causal mask)"
         if fallback:
@@ -246,9 +260,18 @@ def _problem(q, k, causal, scale):
                             k.shape[1], None)
 
 
+def _in_kernel_layout(t):
+    """t as the kernels read it: contiguous row-major, from a 16-byte boundary (their
+    16-byte copies; TMA in stage 10). A view that is neither is copied, once."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _run(fn, problem, buffers, device, what):
-    """Runs a pass on PyTorch's current stream of `device`."""
-    err = fn(problem, buffers, torch.cuda.current_stream(device).cuda_stream)
+    """Runs a pass on PyTorch's current stream of `device`, with `device` current: the
+    stages launch on the current device, which need not be the tensors'."""
+    with torch.cuda.device(device):
+        err = fn(problem, buffers, torch.cuda.current_stream(device).cuda_stream)
     if err != 0:
         raise RuntimeError(f"flash_stages: {what} failed: CUDA error {err}")
 
@@ -261,15 +284,17 @@ def _set_deterministic():
         os.environ["ATTN_DETERMINISTIC"] = want
 
 
+# Tagged only where this PyTorch has the tag (and so custom_op's `tags`, which came first).
 _TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+_OP_OPTIONS = {"tags": _TAGS} if _TAGS else {}
 
 
 @torch.library.custom_op("flash_stages::forward", mutates_args=(), device_types="cuda",
-                         tags=_TAGS)
+                         **_OP_OPTIONS)
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage: str, causal: bool,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     lib = _LIBS[stage]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = (_in_kernel_layout(t) for t in (q, k, v))
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     p = _problem(q, k, causal, scale)
@@ -291,12 +316,12 @@ def _(q, k, v, stage, causal, scale):
 
 
 @torch.library.custom_op("flash_stages::backward", mutates_args=(), device_types="cuda",
-                         tags=_TAGS)
+                         **_OP_OPTIONS)
 def _backward_op(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, lse: torch.Tensor, stage: str, causal: bool,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     lib = _LIBS[stage]
-    d_o, q, k, v, o = (t.contiguous() for t in (d_o, q, k, v, o))
+    d_o, q, k, v, o = (_in_kernel_layout(t) for t in (d_o, q, k, v, o))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     p = _problem(q, k, causal, scale)
     ws = torch.empty(lib.backward_workspace(p), dtype=torch.uint8, device=q.device)

@@ -200,6 +200,37 @@ def test_non_contiguous_inputs_give_the_same_result():
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("stage", HALF)
+def test_inputs_off_a_16_byte_boundary(stage):
+    """Contiguous views that start 2 bytes past a 16-byte boundary (the kernels copy 16 bytes
+    at a time; stage 10's TMA needs the boundary too): copied into place, same bits as
+    inputs that start on one, forward and gradients (deterministic dQ, so bits compare)."""
+    b, h, n, d = 1, 2, 130, 64
+    elems = b * h * n * d
+    g = torch.Generator(device="cuda").manual_seed(0)
+    flat = torch.randn(4 * elems + 1, device="cuda", dtype=torch.float16, generator=g)
+    q, k, v, d_o = (flat[1 + i * elems:1 + (i + 1) * elems].view(b, h, n, d) for i in range(4))
+    assert q.is_contiguous() and q.data_ptr() % 16 != 0
+    torch.use_deterministic_algorithms(True)
+    try:
+        got = run_stage(stage, q, k, v, d_o, True)
+        want = run_stage(stage, q.clone(), k.clone(), v.clone(), d_o, True)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, a, w in zip(("O", "dQ", "dK", "dV"), got, want):
+        assert torch.equal(a, w), f"{name} differs from that of aligned inputs"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensors_on_a_device_that_is_not_current():
+    stage = fastest_half()
+    q, k, v, _ = inputs((1, 2, 128, 128, 64, True), torch.float16)
+    want = fs.scaled_dot_product_attention(q, k, v, is_causal=True, stage=stage)
+    with torch.cuda.device(1):
+        got = fs.scaled_dot_product_attention(q, k, v, is_causal=True, stage=stage)
+    assert got.device == q.device and torch.equal(got, want)
+
+
 def test_side_stream_is_ordered():
     stage = fastest_half()
     q, k, v, _ = inputs((4, 8, 1024, 1024, 64, False), torch.float16)
@@ -268,6 +299,10 @@ def test_errors_are_clear():
                                                                       device="cuda"))
     with pytest.raises(fs.FlashStagesError, match="no stage named"):
         fs.scaled_dot_product_attention(q, k, v, stage="99_nothing")
+    one_row = torch.empty(1, 1, 1, 64, device="cuda", dtype=torch.float16)
+    huge = one_row.expand(1, 1, 1 << 25, 64)  # 2^25 rows, past the programs' 2^24
+    with pytest.raises(fs.FlashStagesError, match="too large"):
+        fs.scaled_dot_product_attention(huge, huge, huge, stage=stage)
     if "03_cuda_forward" in fs.stages():
         q32, k32, v32 = q.float(), k.float(), v.float()
         with pytest.raises(fs.FlashStagesError, match="comes in 05_causal"):
@@ -303,3 +338,12 @@ def test_fallback_says_so_once_and_keeps_the_alignment():
     assert len(said) == 1, [str(w.message) for w in caught]
     want = torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=keep)
     assert torch.allclose(got, want, atol=2e-3, equal_nan=True)
+    # CPU tensors, which no stage takes, go to SDPA too.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = fs.scaled_dot_product_attention(q.float().cpu(), k.float().cpu(),
+                                              k.float().cpu(), fallback=True)
+    assert any("CUDA tensors" in str(w.message) for w in caught)
+    want = torch.nn.functional.scaled_dot_product_attention(q.float().cpu(), k.float().cpu(),
+                                                            k.float().cpu())
+    assert torch.equal(got, want)
