@@ -213,7 +213,7 @@ function(attention_stage name source)
         endif()
       endif()
       if(kind STREQUAL "gpu")
-        # More (batch, head) pairs than 4 x the SMs of any GPU of up to 160 SMs (an A100 has
+        # At least 4 x the SMs of any GPU of up to 160 SMs in (batch, head) pairs (an A100 has
         # 108, an H100 132, a B200 148).
         attn_test(${name} heads.many${m}${t} ${kind} ${common_args} ${c} ${bwd} -b 8 -H 80
                   -n 64 -d 64)
@@ -338,15 +338,15 @@ function(attention_stage name source)
   endif()
 
   # Save, then load what was saved: the same outputs bit for bit, and where the stage has a
-  # backward, dO and the gradients too (with ATTN_DETERMINISTIC=1: atomics add in no fixed
-  # order).
+  # backward, dO and the gradients too (where dQ is added by atomics, in no fixed order, with
+  # ATTN_DETERMINISTIC=1).
   set(save_backward "")
   if(ARG_BACKWARD)
     set(save_backward --backward)
   endif()
   attn_compare_runs(${name} save_load ${kind} reload --check -b 2 -H 3 --seq-q 97
                     --seq-kv 130 -d ${d0} ${save_backward})
-  if(ARG_BACKWARD)
+  if(ARG_ATOMIC_DQ)
     set_tests_properties(${name}.save_load PROPERTIES ENVIRONMENT ATTN_DETERMINISTIC=1)
   endif()
 

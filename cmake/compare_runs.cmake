@@ -1,7 +1,8 @@
 # cmake -DPROGRAM=... -DARGS=a^b -DMODE=reload|repeat -DWORK_DIR=... -P compare_runs.cmake
-# reload: run with --save A, then --load A --save B (with A's --causal and --backward): every
-# .npy in B equals the one in A.
+# reload: run with --save A, then --load A --save B (with A's --backward): every .npy in B
+# equals the one in A.
 # repeat: run twice with --save A and --save B: the outputs are identical bit for bit.
+cmake_minimum_required(VERSION 3.25) # the policies of the project's CMake, IN_LIST among them
 string(REPLACE "^" ";" args "${ARGS}")
 file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
@@ -23,14 +24,12 @@ if(skipped)
   return()
 endif()
 if(MODE STREQUAL "reload")
-  # The sizes come from the files; what to compute comes from the options.
-  set(passes "")
-  foreach(option --causal --backward)
-    if(option IN_LIST args)
-      list(APPEND passes ${option})
-    endif()
-  endforeach()
-  run(--load ${WORK_DIR}/a --save ${WORK_DIR}/b --check ${passes})
+  # The sizes come from the files; whether to run the backward, from the options.
+  set(backward "")
+  if("--backward" IN_LIST args)
+    set(backward --backward)
+  endif()
+  run(--load ${WORK_DIR}/a --save ${WORK_DIR}/b --check ${backward})
 else()
   run(${args} --save ${WORK_DIR}/b)
 endif()

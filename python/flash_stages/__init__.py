@@ -11,9 +11,9 @@ file built as a library, common/stage_library.cu), run on PyTorch's tensors: the
 allocated by PyTorch and written by the kernel. Inputs in the kernels' layout (contiguous
 row-major [B, H, N, d], docs/conventions.md section 1, starting on a 16-byte boundary) are
 read in place; any other layout, such as [B, N, H, d].transpose(1, 2), is first copied into
-it. Two custom operators, flash_stages::forward
-and flash_stages::backward, carry the autograd formula and a fake-tensor implementation, so
-torch.compile traces a call without a graph break.
+it. Two custom operators, flash_stages::forward and flash_stages::backward, carry the
+autograd formula and a fake-tensor implementation, so torch.compile traces a call without a
+graph break.
 
 What differs from SDPA, on purpose:
   - is_causal is aligned bottom-right (key j is visible to query i when j <= i + Nkv - Nq),
@@ -183,9 +183,14 @@ def _warn_once(why, stacklevel):
         warnings.warn(f"flash_stages: falling back to torch SDPA: {why}", stacklevel=stacklevel)
 
 
-def _fallback(q, k, v, is_causal, scale, enable_gqa, why):
+def _fallback(q, k, v, is_causal, scale, enable_gqa, why, attn_mask=None, dropout_p=0.0):
     _warn_once(why, 4)
     F = torch.nn.functional
+    if attn_mask is not None or dropout_p != 0.0 or min(q.dim(), k.dim()) < 2:
+        # SDPA's own semantics for what the stages never take (SDPA says what it refuses).
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale,
+                                              enable_gqa=enable_gqa)
     nq, nkv = q.shape[-2], k.shape[-2]
     if is_causal and nq != nkv:
         # The stages' bottom-right alignment, which SDPA's is_causal (top-left) is not.
@@ -207,7 +212,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     why = _check_inputs(q, k, v, enable_gqa)
     if why is not None:
         if fallback and all(isinstance(t, torch.Tensor) for t in (q, k, v)):
-            return _fallback(q, k, v, is_causal, scale, enable_gqa, why)
+            return _fallback(q, k, v, is_causal, scale, enable_gqa, why, attn_mask, dropout_p)
         raise FlashStagesError(why)
     if attn_mask is not None or dropout_p != 0.0:
         why = "the stages take no attn_mask and no dropout (use is_causal for the causal mask)"

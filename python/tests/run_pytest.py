@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """CTest's entry to the Python package's tests (python.pytorch): exits 77, which CTest shows
-as skipped, when this machine cannot run them (no PyTorch, no pytest, no CUDA device, no
-stage libraries built), and otherwise runs pytest on python/tests and returns its verdict.
-FLASH_STAGES_LIB_DIR (set by CTest to the build's lib folder) says where the libraries are."""
+as skipped, when this machine cannot run them (no PyTorch, no pytest, no CUDA device of
+compute capability 8.0 or later, no stage libraries built), and otherwise runs pytest on
+python/tests and returns its verdict. FLASH_STAGES_LIB_DIR (set by CTest to the build's lib
+folder) says where the libraries are."""
 import glob
 import os
 import subprocess
@@ -27,6 +28,8 @@ def main():
         skip("pytest is not installed for " + sys.executable)
     if not torch.cuda.is_available():
         skip("no CUDA device for PyTorch")
+    if torch.cuda.get_device_capability() < (8, 0):
+        skip("no CUDA device of compute capability 8.0 or later (every stage needs it)")
     lib_dir = os.environ.get("FLASH_STAGES_LIB_DIR", "")
     if not glob.glob(os.path.join(lib_dir, "libattn_*.so")):
         skip(f"no stage libraries in '{lib_dir}': configure with -DATTN_PYTHON=ON and build")

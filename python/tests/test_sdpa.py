@@ -11,8 +11,8 @@ import warnings
 import pytest
 
 torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+    pytest.skip("no CUDA device of compute capability 8.0 or later", allow_module_level=True)
 import flash_stages as fs  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
@@ -347,3 +347,8 @@ def test_fallback_says_so_once_and_keeps_the_alignment():
     want = torch.nn.functional.scaled_dot_product_attention(q.float().cpu(), k.float().cpu(),
                                                             k.float().cpu())
     assert torch.equal(got, want)
+    # ... with the attn_mask they were given.
+    qc, kc, keep_c = q.float().cpu(), k.float().cpu(), keep.cpu()
+    got = fs.scaled_dot_product_attention(qc, kc, kc, attn_mask=keep_c, fallback=True)
+    want = torch.nn.functional.scaled_dot_product_attention(qc, kc, kc, attn_mask=keep_c)
+    assert torch.allclose(got, want, equal_nan=True)

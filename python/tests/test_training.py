@@ -20,8 +20,8 @@ try:
 except ImportError as e:  # not installed, or installed without the libraries it needs
     pytest.skip(f"PyTorch does not import: {e}", allow_module_level=True)
 
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device for PyTorch", allow_module_level=True)
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+    pytest.skip("no CUDA device of compute capability 8.0 or later", allow_module_level=True)
 try:
     try:
         import flash_stages
