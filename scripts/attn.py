@@ -38,6 +38,22 @@ def find_stages(bin_dir, names=STAGES + BASELINES):
     return found
 
 
+def stages_or_exit(parser, bin_dir, names=None):
+    """find_stages for a script's --bin (and --stages): a clear usage error (exit 2) for a
+    folder with no stage program or a name that is not one of them."""
+    if not os.path.isdir(bin_dir):
+        parser.error(f"--bin: no folder {bin_dir} (the stage programs are in build/bin after "
+                     "the README's build)")
+    found = find_stages(bin_dir)
+    if not found:
+        parser.error(f"--bin: no stage program in {bin_dir}")
+    unknown = sorted(set(names or []) - {s.name for s in found} - {"pytorch"})
+    if unknown:
+        parser.error(f"--stages: not built in {bin_dir}: {', '.join(unknown)} (there: "
+                     f"{', '.join(s.name for s in found)})")
+    return [s for s in found if not names or s.name in names]
+
+
 def read_rows(*paths):
     rows = []
     for path in paths:

@@ -5,8 +5,10 @@ written to docs/results/<device>/ (cpu.tsv, gpu.tsv), then the plots and the REA
 results table.
 
 The folder is named after the device the programs stamp their rows with: cpu-<model> for
-the CPU stages, the GPU's name for the GPU stages. Rows of a stage that was swept replace
-that stage's rows in that folder; every other row is kept, so a CPU-only machine refreshes
+the CPU stages, the GPU's name for the GPU stages. Rows of a stage whose every point ran and
+succeeded replace that stage's rows in that folder; the rows of a stage a budget cut, a
+failure or a missing device left unfinished are added beside its committed rows (a plot
+draws each point's latest row); every other row is kept, so a CPU-only machine refreshes
 its CPU rows and keeps the committed GPU rows. On a CPU or GPU other than the committed
 ones the rows go to a new folder with its own plots; the README's table keeps showing the
 reference folders (scripts/attn.py, REFERENCE_FOLDERS) and names the others. Only the
@@ -48,9 +50,9 @@ def folder_name(kind, device):
     return attn.slug(device) if kind == "gpu" else "cpu-" + attn.slug(device)
 
 
-def merge(committed, fresh, swept_stages):
-    """Rows of `fresh` replace the committed rows of the stages that were swept."""
-    old = [r for r in attn.read_rows(committed) if r["stage"] not in swept_stages]
+def merge(committed, fresh, replaced_stages):
+    """Every row of `fresh` is added; the committed rows of `replaced_stages` are dropped."""
+    old = [r for r in attn.read_rows(committed) if r["stage"] not in replaced_stages]
     new = attn.read_rows(fresh)
     rows = old + new
     if not rows:
@@ -74,9 +76,11 @@ def main():
     ap.add_argument("--pytorch-budget", type=float, default=0,
                     help="seconds for PyTorch's sweep (0: no limit)")
     a = ap.parse_args()
-    stages = [s for s in attn.find_stages(a.bin) if not a.stages or s.name in a.stages]
+    if a.budget < 0 or a.pytorch_budget < 0:
+        ap.error("a budget is 0 (no limit) or a positive number of seconds")
+    stages = attn.stages_or_exit(ap, a.bin, a.stages)
     tmp = tempfile.mkdtemp(prefix="bench_")
-    folders = []
+    folders, failures = [], 0
     for kind in ("cpu", "gpu"):
         group = [s for s in stages if s.kind == kind]
         if not group:
@@ -90,18 +94,26 @@ def main():
         fresh = os.path.join(tmp, kind)
         print(f"bench: {len(group)} {kind.upper()} programs on {device} -> {folder}",
               file=sys.stderr)
-        sweep.run(group, fresh, budget=a.budget)
-        swept = {s.name for s in group}
+        complete = set()
+        failures += sweep.run(group, fresh, budget=a.budget, complete=complete)
         if kind == "gpu" and not a.no_pytorch and (not a.stages or "pytorch" in a.stages):
-            subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "compare_pytorch.py"),
-                            "--bin", a.bin, "--out", fresh, "--budget", str(a.pytorch_budget)])
-            # PyTorch's backends that wrote rows replace their committed rows.
-            swept |= {r["stage"] for r in attn.read_rows(os.path.join(fresh, "gpu.tsv"))}
-        merge(os.path.join(folder, f"{kind}.tsv"), os.path.join(fresh, f"{kind}.tsv"), swept)
+            fresh_tsv = os.path.join(fresh, "gpu.tsv")
+            before = {row["stage"] for row in attn.read_rows(fresh_tsv)}
+            r = subprocess.run([sys.executable,
+                                os.path.join(ROOT, "scripts", "compare_pytorch.py"), "--bin",
+                                a.bin, "--out", fresh, "--budget", str(a.pytorch_budget)])
+            failures += r.returncode != 0
+            # PyTorch's backends replace their committed rows after a whole, clean sweep.
+            if r.returncode == 0 and not a.pytorch_budget:
+                complete |= {row["stage"] for row in attn.read_rows(fresh_tsv)} - before
+        merge(os.path.join(folder, f"{kind}.tsv"), os.path.join(fresh, f"{kind}.tsv"), complete)
         folders.append(folder)
     shutil.rmtree(tmp, ignore_errors=True)
     redraw(a.docs, only=folders)
-    return 0
+    if failures:
+        print(f"bench: {failures} points failed (their rows are missing; see above)",
+              file=sys.stderr)
+    return 1 if failures else 0
 
 
 def redraw(docs, only=None):

@@ -158,7 +158,11 @@ def check_half_stages(torch, bin_dir):
 
 
 def check_stage(torch, bin_dir, stage):
-    import numpy as np
+    try:
+        import numpy as np  # to read the stage's .npy outputs
+    except ImportError:
+        sys.exit("compare_pytorch: numpy is needed to check the stages' outputs "
+                 "(pip install numpy), or pass --no-check")
     path = os.path.join(bin_dir, stage)
     tag = stage[:2]
     if not os.access(path, os.X_OK):
@@ -218,6 +222,10 @@ def main():
     ap.add_argument("--backends", nargs="*", default=["flash", "cudnn", "efficient", "math"])
     ap.add_argument("--seq", nargs="*", type=int, default=GPU_N, help="sequence lengths")
     a = ap.parse_args()
+    if any(n < 1 or n > 16384 for n in a.seq):
+        ap.error("--seq: sequence lengths must be in 1..16384 (B = 16384/N)")
+    if a.budget < 0:
+        ap.error("--budget must be 0 (no limit) or a positive number of seconds")
     torch = need_torch()
     os.makedirs(a.out, exist_ok=True)
     ok, checked = (True, []) if a.no_check else check_half_stages(torch, a.bin)

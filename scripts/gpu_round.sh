@@ -41,15 +41,18 @@
 # DECODE_BUDGET: its seconds (default 240); needs the build configured with ATTN_PYTHON on.
 # PACK=1: at the end every file of OUT_DIR but summary.txt goes into OUT_DIR/results.tgz,
 # for a transport that brings back only a few files.
-# OUT_DIR gets summary.txt, the ctest logs, build.log, sweep.log, pytorch.log and rows/gpu.tsv
-# (the sweep's rows and PyTorch's, each appended as it is measured), so a run stopped at a
-# time limit still returns everything it finished. The 08 tests, sanitizers, sweep and SDPA
-# rows on an H100 take about 7 minutes: `PHASES="tests sanitizer pytorch sweep"`.
+# Exit status: 0 when every test run passed (or was skipped) and no sweep point failed, else 1
+# (the summary says which). OUT_DIR gets summary.txt, the ctest logs, build.log, sweep.log,
+# pytorch.log and rows/gpu.tsv (the sweep's rows and PyTorch's, each appended as it is
+# measured), so a run stopped at a time limit still returns everything it finished. The 08
+# tests, sanitizers, sweep and SDPA rows on an H100 take about 7 minutes: `PHASES="tests
+# sanitizer pytorch sweep"`.
 set -uo pipefail
 out=${1:?usage: gpu_round.sh OUT_DIR}
 mkdir -p "$out"
 phases=${PHASES:-build tests sanitizer sweep pytorch}
 start=$(date +%s)
+status=0 # 1 once a test phase has a test that did not pass, or the sweep a failed point
 log() { echo "[$(($(date +%s) - start))s] $*" | tee -a "$out/summary.txt"; }
 has() { [[ " $phases " == *" $1 "* ]]; }
 
@@ -71,7 +74,7 @@ run_tests() {
   local name=$1 jobs=$2
   shift 2
   ctest --test-dir build-gpu -j "$jobs" --output-on-failure "$@" ${TESTS:-} \
-    > "$out/ctest_$name.log" 2>&1
+    > "$out/ctest_$name.log" 2>&1 || status=1
   log "$name: $(grep -E 'tests passed|No tests' "$out/ctest_$name.log")"
   grep -E "^\s+[0-9]+ - .*\((Failed|Timeout|Not Run|Exception)" "$out/ctest_$name.log" |
     head -40 | tee -a "$out/summary.txt"
@@ -87,7 +90,7 @@ sweep() {
   [ -n "${SWEEP_SEQ:-}" ] && stages+=(--seq ${SWEEP_SEQ})
   [ -n "${SWEEP_DTYPES:-}" ] && stages+=(--dtypes ${SWEEP_DTYPES})
   python3 scripts/sweep.py --bin build-gpu/bin --kind gpu --out "$results" "${stages[@]}" \
-    --budget "${SWEEP_BUDGET:-0}" 2> "$out/sweep.log"
+    --budget "${SWEEP_BUDGET:-0}" 2> "$out/sweep.log" || status=1
   log "sweep: $(tail -1 "$out/sweep.log")"
 }
 pytorch() {
@@ -99,7 +102,7 @@ pytorch() {
 python_package() {
   # -V: pytest's own summary (how many passed, which skipped and why) goes into the log.
   FLASH_STAGES_TRAINING_TSV=$results/training.tsv ctest --test-dir build-gpu -L pytorch -V \
-    ${TESTS:-} > "$out/ctest_python.log" 2>&1
+    ${TESTS:-} > "$out/ctest_python.log" 2>&1 || status=1
   log "python: $(grep -E 'tests passed|No tests' "$out/ctest_python.log")"
   grep -E "[0-9]+ (passed|failed|skipped|error)" "$out/ctest_python.log" | tail -3 |
     tee -a "$out/summary.txt"
@@ -140,10 +143,13 @@ for phase in $phases; do
     *) log "unknown phase '$phase' (build, tests, sanitizer, sweep, pytorch, variants, python, decode)" ;;
   esac
 done
-log "done"
-if [ -n "${PACK:-}" ]; then
+log "done$([ $status = 0 ] || echo ': a test or a sweep point failed (exit 1)')"
+if [ -n "${PACK:-}" ] && [ "$(cd "$out" && pwd)" = "$(pwd)" ]; then
+  log "PACK: OUT_DIR is the checkout itself; nothing packed or removed"
+elif [ -n "${PACK:-}" ]; then
   pack=$(mktemp -d)/results.tgz
   tar -czf "$pack" -C "$out" --exclude=./summary.txt . &&
     find "$out" -mindepth 1 -maxdepth 1 ! -name summary.txt -exec rm -rf {} + &&
     mv "$pack" "$out/results.tgz"
 fi
+exit $status

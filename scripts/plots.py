@@ -356,6 +356,13 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--stage", help="the per-stage form: this stage beside its predecessor")
     a = ap.parse_args()
+    missing = [r for r in a.results if not os.path.isdir(r)]
+    if missing:
+        ap.error(f"--results: no folder {', '.join(missing)}")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        ap.error(f"--out: {a.out} is not a folder")
+    if a.stage and a.stage not in attn.STAGES + attn.BASELINES:
+        ap.error(f"--stage: no stage named {a.stage}")
     draw(a.results, a.out, a.stage)
 
 

@@ -14,6 +14,7 @@ counts of builds whose loops have the same shape. Needs cuobjdump (CUDA toolkit)
 """
 import argparse
 import collections
+import os
 import re
 import shutil
 import subprocess
@@ -23,7 +24,10 @@ import sys
 def kernels(binary, arch):
     """(name, [(address, opcode, branch target or None)]) of every kernel in the binary."""
     args = ["cuobjdump", "-sass"] + (["-arch", arch] if arch else []) + [binary]
-    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    r = subprocess.run(args, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"sass_counts: {' '.join(args)} failed: {r.stderr.strip() or r.returncode}")
+    out = r.stdout
     for block in re.split(r"\n\s+Function : ", out)[1:]:
         name, body = block.split("\n", 1)
         code = []
@@ -63,6 +67,14 @@ def main():
     ap.add_argument("--arch", default="", help="one architecture of a fat binary, e.g. sm_90")
     ap.add_argument("--top", type=int, default=16, help="opcodes listed per kernel")
     a = ap.parse_args()
+    try:
+        re.compile(a.kernel)
+    except re.error as e:
+        ap.error(f"--kernel: not a regular expression: {e}")
+    if a.top < 1:
+        ap.error("--top must be at least 1")
+    if not os.path.isfile(a.binary):
+        ap.error(f"no file {a.binary}")
     if not shutil.which("cuobjdump"):
         sys.exit("sass_counts: cuobjdump not found (it comes with the CUDA toolkit)")
     found = 0

@@ -67,21 +67,28 @@ def is_done(stage, args, rows):
 
 
 def run(stages, out_dir, log=sys.stderr, budget=0, skip_done=None, gpu_n=GPU_N,
-        dtypes=None):
+        dtypes=None, complete=None):
     """skip_done: a TSV whose points are not run again (to finish a sweep a budget cut).
     gpu_n, dtypes: a subset of the GPU sequence lengths and dtypes (a subset skips the
-    memory-against-N points)."""
+    memory-against-N points). complete: a set that gets the names of the stages all of whose
+    points ran and succeeded. Returns the number of points that failed."""
     os.makedirs(out_dir, exist_ok=True)
     done = attn.read_rows(skip_done) if skip_done else []
     todo = [(s, a) for s in stages for a in points(s, gpu_n, dtypes)
             if not is_done(s.name, a, done)]
     t0, failures = time.time(), 0
+    # A stage that exits 77 (no device it can run on: stage 10 on a GPU other than Hopper)
+    # is skipped, and the sweep goes on with the next one.
+    skipped, unfinished = set(), set()
     for k, (stage, args) in enumerate(todo):
+        if stage.name in skipped:
+            continue
         elapsed = time.time() - t0
         if budget and elapsed > budget:
             print(f"sweep: stopped after {fmt_time(elapsed)} (budget {budget} s): "
                   f"{len(todo) - k} points not run, from {stage.name} {' '.join(args)}", file=log)
-            return failures
+            unfinished |= {s.name for s, _ in todo[k:]}
+            break
         left = elapsed / k * (len(todo) - k) if k else 0
         print(f"[{k + 1:3d}/{len(todo)}] {stage.name} {' '.join(args)}   "
               f"elapsed {fmt_time(elapsed)}, about {fmt_time(left)} left", file=log, flush=True)
@@ -89,13 +96,22 @@ def run(stages, out_dir, log=sys.stderr, budget=0, skip_done=None, gpu_n=GPU_N,
         r = subprocess.run([stage.path, "--bench", "--tsv", tsv] + args,
                            capture_output=True, text=True)
         if r.returncode == 77:
-            print("    skipped: no CUDA device", file=log)
-            return 0
+            why = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "no CUDA device"
+            for prefix in (f"{stage.name}: ", "skipped: "):
+                why = why[len(prefix):] if why.startswith(prefix) else why
+            print(f"    {stage.name} skipped ({why}): its other points are not run", file=log)
+            skipped.add(stage.name)
+            continue
         if r.returncode != 0:
             failures += 1
+            unfinished.add(stage.name)
             print(f"    exit {r.returncode}: {r.stderr.strip()}", file=log)
-    print(f"sweep: {len(todo)} points in {fmt_time(time.time() - t0)}, {failures} failed "
-          f"(rows in {out_dir})", file=log)
+    else:
+        print(f"sweep: {len(todo)} points in {fmt_time(time.time() - t0)}, {failures} failed"
+              f"{f', {len(skipped)} stages skipped' if skipped else ''} (rows in {out_dir})",
+              file=log)
+    if complete is not None:
+        complete |= {s.name for s in stages} - skipped - unfinished
     return failures
 
 
@@ -112,8 +128,18 @@ def main():
                     help="GPU sequence lengths (default: the whole sweep)")
     ap.add_argument("--dtypes", nargs="*", help="only these dtypes (default: each stage's)")
     a = ap.parse_args()
-    stages = [s for s in attn.find_stages(a.bin)
-              if (a.kind == "all" or s.kind == a.kind) and (not a.stages or s.name in a.stages)]
+    if any(n < 1 or n > TOKENS for n in a.seq):
+        ap.error(f"--seq: sequence lengths must be in 1..{TOKENS} (B = {TOKENS}/N)")
+    if a.budget < 0:
+        ap.error("--budget must be 0 (no limit) or a positive number of seconds")
+    if a.dtypes and set(a.dtypes) - {"fp32", "fp16", "bf16"}:
+        ap.error("--dtypes: fp32, fp16 or bf16")
+    if a.skip_done and not os.path.isfile(a.skip_done):
+        ap.error(f"--skip-done: no file {a.skip_done}")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        ap.error(f"--out: {a.out} is not a folder")
+    stages = attn.stages_or_exit(ap, a.bin, a.stages)
+    stages = [s for s in stages if a.kind == "all" or s.kind == a.kind]
     sys.exit(1 if run(stages, a.out, budget=a.budget, skip_done=a.skip_done,
                            gpu_n=a.seq, dtypes=a.dtypes) else 0)
 

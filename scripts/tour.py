@@ -20,11 +20,16 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--results", default=None, help="committed results to draw beside")
     a = ap.parse_args()
+    # Line by line, so that the table and the sweep's progress (stderr) keep their order in a
+    # log or a pipe.
+    sys.stdout.reconfigure(line_buffering=True)
+    stages = attn.stages_or_exit(ap, a.bin)
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        ap.error(f"--out: {a.out} is not a folder")
     os.makedirs(a.out, exist_ok=True)
     tsv = os.path.join(a.out, "tour.tsv")
     if os.path.exists(tsv):
         os.remove(tsv)
-    stages = attn.find_stages(a.bin)
     print("The tour: each stage on its default problem (B=1 H=4 N=512 d=64), checked against "
           "the float64 reference.\n")
     failed, ran = [], []
@@ -58,16 +63,20 @@ def main():
                   f"{plots.human_bytes(int(r['workspace_bytes'])):>10}")
             for more in idea[1:]:
                 print(f"{'':<18} {more}")
-        print(f"\non {rows[0]['device']}, {rows[0]['date']}")
+        devices = list(dict.fromkeys(r["device"] for r in rows))  # CPU, then GPU, once each
+        print(f"\non {' and '.join(devices)}, {rows[0]['date']}")
     cpu = [s for s in stages if s.kind == "cpu"]
     print("\nThe CPU sweep (one head, d = 64, N = 256..8192): time and workspace against N.")
     sweep_dir = os.path.join(a.out, "sweep")
     if os.path.exists(os.path.join(sweep_dir, "cpu.tsv")):
         os.remove(os.path.join(sweep_dir, "cpu.tsv"))
-    sweep.run(cpu, sweep_dir)
+    sweep_failures = sweep.run(cpu, sweep_dir)
     results = [sweep_dir] + ([a.results] if a.results and os.path.isdir(a.results) else [])
     plots.draw(results, os.path.join(a.out, "plots"))
-    sys.exit(1 if failed else 0)
+    if failed or sweep_failures:
+        print(f"\nThe tour: {len(failed)} stages failed their check, {sweep_failures} sweep "
+              "points failed (above).")
+    sys.exit(1 if failed or sweep_failures else 0)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ lib=${VARIANT_BUILD:-build-gpu}/common
 mkdir -p "$out"
 bins=${VARIANT_BINS:-$(mktemp -d)}
 mkdir -p "$bins"
+[ -n "${VARIANT_BINS:-}" ] || trap 'rm -rf "$bins"' EXIT # also when a variant fails
 if [ -n "${VARIANT_ARCH:-}" ]; then
   arch=$VARIANT_ARCH
 else
@@ -46,7 +47,8 @@ for variant in "base=" "$@"; do
     target=-arch="sm_$arch"
     grep -q "compute_90a" "$stage/CMakeLists.txt" && target=-gencode=arch=compute_90a,code=sm_90a
     nvcc -O3 -std=c++20 "$target" -Icommon $flags "$stage/attention.cu" \
-      "$lib/libattn_gpu.a" "$lib/libattn_common.a" -lm -o "$bin"
+      "$lib/libattn_gpu.a" "$lib/libattn_common.a" -lm -o "$bin" ||
+      { echo "variants.sh: $stage-$label ($flags) did not build; stopped" >&2; exit 1; }
     echo "$key" > "$bin.key"
   fi
   [ -n "${VARIANT_BUILD_ONLY:-}" ] && continue
@@ -57,7 +59,11 @@ for variant in "base=" "$@"; do
       for causal in "" --causal; do
         "$bin" -b $((16384 / n)) -H $((2048 / d)) -n "$n" -d "$d" $causal \
           --dtype "${VARIANT_DTYPE:-fp16}" --bench ${BACKWARD:+--backward} --tsv "$rows" |
-          sed "s/^/$label: /"
+          awk -v label="$label: " '{ print label $0 }' || {
+          echo "variants.sh: $stage-$label failed at d = $d, N = $n ${causal:-non-causal};" \
+            "its rows so far are in $rows; stopped" >&2
+          exit 1
+        }
       done
     done
   done
@@ -65,4 +71,3 @@ for variant in "base=" "$@"; do
     "$rows" > "$out/$label.tsv"
   rm -f "$rows"
 done
-[ -n "${VARIANT_BINS:-}" ] || rm -rf "$bins"
