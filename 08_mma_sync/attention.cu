@@ -354,11 +354,11 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
   extern __shared__ __align__(32) float4 smem[]; /* cp.async and ldmatrix move 16 bytes */
   T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + 2 * BC * padded<T>(D);
   T *Qs = Vs + 2 * BC * padded<T>(D); /* K and V double-buffered, then the Q tile */
-  /* Causal blocks have unequal work: row block r runs about r + 1 tiles' worth. Ordered by
+  /* Causal blocks have unequal work: row block r does about r + 1 times row block 0's. Ordered by
    * row block across all heads, every head's heaviest block starts first and the light ones
    * fill the tail (measured at N = 4096, d = 64: ordered per head, the heavy blocks of the
    * last heads started last and causal was only 1.57x faster than non-causal; ordered
-   * across heads, 1.92x). Non-causal blocks are equal, so a head's blocks stay adjacent and
+   * across heads, 1.88x). Non-causal blocks are equal, so a head's blocks stay adjacent and
    * share its K and V in L2 (ordered across heads instead: 6.5% slower). */
   int row_blocks = (nq + Br - 1) / Br;
   long bh = causal ? blockIdx.x % heads : blockIdx.x / row_blocks;

@@ -697,7 +697,7 @@ __global__ void __launch_bounds__(forward_threads(D), 1)
   /* full: the tile has landed (the copy's bytes); empty: every consumer warp is done with it */
   uint64_t *k_full = q_full + 1, *v_full = k_full + STAGES, *k_empty = v_full + STAGES,
            *v_empty = k_empty + STAGES;
-  /* Causal blocks have unequal work: row block r runs about r + 1 tiles' worth. Ordered by
+  /* Causal blocks have unequal work: row block r does about r + 1 times row block 0's. Ordered by
    * row block across all heads, every head's heaviest block starts first and the light ones
    * fill the tail. Non-causal blocks are equal, so a head's blocks stay adjacent and share
    * its K and V in L2. (09's order.) */
