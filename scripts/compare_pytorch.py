@@ -150,6 +150,11 @@ HALF_STAGES = ["07_tensor_cores", "08_mma_sync", "09_swizzle_pipeline", "10_hopp
 def check_half_stages(torch, bin_dir):
     """Whether every built half-precision stage is within the rule, and which were checked."""
     ok, checked = True, []
+    try:
+        import numpy  # noqa: F401  (check_stage reads the stages' .npy outputs with it)
+    except ImportError:
+        print("compare_pytorch: numpy is not installed (pip install numpy): outputs not checked")
+        return ok, checked
     for stage in HALF_STAGES:
         ok &= check_stage(torch, bin_dir, stage)
         if os.access(os.path.join(bin_dir, stage), os.X_OK):
@@ -158,11 +163,7 @@ def check_half_stages(torch, bin_dir):
 
 
 def check_stage(torch, bin_dir, stage):
-    try:
-        import numpy as np  # to read the stage's .npy outputs
-    except ImportError:
-        sys.exit("compare_pytorch: numpy is needed to check the stages' outputs "
-                 "(pip install numpy), or pass --no-check")
+    import numpy as np  # check_half_stages made sure it imports
     path = os.path.join(bin_dir, stage)
     tag = stage[:2]
     if not os.access(path, os.X_OK):

@@ -41,8 +41,8 @@
 # DECODE_BUDGET: its seconds (default 240); needs the build configured with ATTN_PYTHON on.
 # PACK=1: at the end every file of OUT_DIR but summary.txt goes into OUT_DIR/results.tgz,
 # for a transport that brings back only a few files.
-# Exit status: 0 when every test run passed (or was skipped) and no sweep point failed, else 1
-# (the summary says which). OUT_DIR gets summary.txt, the ctest logs, build.log, sweep.log,
+# Exit status: 0 when every phase it ran succeeded (every test passed or was skipped, no sweep
+# point failed, PyTorch's outputs matched), else 1 (the summary says which). OUT_DIR gets summary.txt, the ctest logs, build.log, sweep.log,
 # pytorch.log and rows/gpu.tsv (the sweep's rows and PyTorch's, each appended as it is
 # measured), so a run stopped at a time limit still returns everything it finished. The 08
 # tests, sanitizers, sweep and SDPA rows on an H100 take about 7 minutes: `PHASES="tests
@@ -52,7 +52,7 @@ out=${1:?usage: gpu_round.sh OUT_DIR}
 mkdir -p "$out"
 phases=${PHASES:-build tests sanitizer sweep pytorch}
 start=$(date +%s)
-status=0 # 1 once a test phase has a test that did not pass, or the sweep a failed point
+status=0 # 1 once a phase fails: a test that did not pass, a failed sweep point, ...
 log() { echo "[$(($(date +%s) - start))s] $*" | tee -a "$out/summary.txt"; }
 has() { [[ " $phases " == *" $1 "* ]]; }
 
@@ -96,7 +96,7 @@ sweep() {
 pytorch() {
   python3 scripts/compare_pytorch.py --bin build-gpu/bin --out "$results" \
     --backends ${PYTORCH_BACKENDS:-flash cudnn efficient math} ${PYTORCH_SEQ:+--seq $PYTORCH_SEQ} \
-    > "$out/pytorch.log" 2>&1
+    > "$out/pytorch.log" 2>&1 || status=1
   log "pytorch: $(tail -1 "$out/pytorch.log")"
 }
 python_package() {
@@ -106,14 +106,18 @@ python_package() {
   log "python: $(grep -E 'tests passed|No tests' "$out/ctest_python.log")"
   grep -E "[0-9]+ (passed|failed|skipped|error)" "$out/ctest_python.log" | tail -3 |
     tee -a "$out/summary.txt"
+  local rc=0
   python3 python/bench.py --bin build-gpu/bin --tsv "$results/pytorch_bench.tsv" ${PYBENCH:-} \
-    > "$out/python_bench.log" 2>&1
-  log "python bench: exit $?, $(grep -c . "$results/pytorch_bench.tsv" 2>/dev/null) rows"
+    > "$out/python_bench.log" 2>&1 || rc=$?
+  [ $rc = 0 ] || status=1
+  log "python bench: exit $rc, $(grep -c . "$results/pytorch_bench.tsv" 2>/dev/null) rows"
 }
 decode() {
+  local rc=0
   python3 scripts/decode_bench.py --bin build-gpu/bin --lib build-gpu/lib --out "$out/decode" \
-    --budget "${DECODE_BUDGET:-240}" > "$out/decode.log" 2>&1
-  log "decode: exit $?; $(grep -E '^B = 1|^At least' "$out/decode.log" | tr '\n' ' ')"
+    --budget "${DECODE_BUDGET:-240}" > "$out/decode.log" 2>&1 || rc=$?
+  [ $rc = 0 ] || status=1
+  log "decode: exit $rc; $(grep -E '^B = 1|^At least' "$out/decode.log" | tr '\n' ' ')"
   cp "$out/decode/rows/decode.tsv" "$results/decode.tsv" 2>/dev/null
 }
 variants() {
@@ -124,7 +128,7 @@ variants() {
     return
   fi
   VARIANT_BINS=build-gpu/variants BACKWARD=1 bash scripts/variants.sh "${words[@]:0:1}" \
-    "$out/variants" "${words[@]:1}" > "$out/variants.log" 2>&1
+    "$out/variants" "${words[@]:1}" > "$out/variants.log" 2>&1 || status=1
   log "variants: $(grep -c 'TFLOP/s' "$out/variants.log") timings (variants.log)"
 }
 
@@ -143,9 +147,10 @@ for phase in $phases; do
     *) log "unknown phase '$phase' (build, tests, sanitizer, sweep, pytorch, variants, python, decode)" ;;
   esac
 done
-log "done$([ $status = 0 ] || echo ': a test or a sweep point failed (exit 1)')"
-if [ -n "${PACK:-}" ] && [ "$(cd "$out" && pwd)" = "$(pwd)" ]; then
-  log "PACK: OUT_DIR is the checkout itself; nothing packed or removed"
+log "done$([ $status = 0 ] || echo ': a phase failed (exit 1)')"
+checkout=$(pwd -P)
+if [ -n "${PACK:-}" ] && [[ "$checkout/" == "$(cd "$out" && pwd -P)/"* ]]; then
+  log "PACK: OUT_DIR holds the checkout; nothing packed or removed"
 elif [ -n "${PACK:-}" ]; then
   pack=$(mktemp -d)/results.tgz
   tar -czf "$pack" -C "$out" --exclude=./summary.txt . &&
