@@ -79,7 +79,8 @@ function(attn_compare_runs stage case kind mode)
 endfunction()
 
 function(attention_stage name source)
-  cmake_parse_arguments(ARG "CAUSAL;BACKWARD;ATOMIC_DQ;ANY_DIM;GQA;CACHE_LENS" "" "DIMS;DTYPES" ${ARGN})
+  cmake_parse_arguments(ARG "CAUSAL;BACKWARD;ATOMIC_DQ;ANY_DIM;GQA;CACHE_LENS" "" "DIMS;DTYPES"
+                        ${ARGN})
   get_filename_component(ext ${source} LAST_EXT)
   if(ext STREQUAL ".cu")
     if(NOT ATTN_CUDA)
@@ -229,27 +230,27 @@ function(attention_stage name source)
         if(ARG_ATOMIC_DQ)
           # That path's own kernels, checked like the default's: every head dim, Nq != Nkv
           # (causal: rows that see no key), B x H past 65535, and the tiles of a 99 KiB GPU.
-          set(det_cases)
+          set(det ${name}.deterministic_dq)
           foreach(d ${dims})
-            list(APPEND det_cases "d${d}.q200kv67:-b,2,-H,3,--seq-q,200,--seq-kv,67,-d,${d}"
-                 "d${d}.q127kv513:-b,2,-H,3,--seq-q,127,--seq-kv,513,-d,${d}")
+            foreach(nq_nkv 200,67 127,513)
+              string(REPLACE "," ";" qk ${nq_nkv})
+              list(GET qk 0 nq)
+              list(GET qk 1 nkv)
+              attn_test(${name} deterministic_dq.d${d}.q${nq}kv${nkv}${m}${t} ${kind}
+                        ${common_args} ${c} ${bwd} -b 2 -H 3 --seq-q ${nq} --seq-kv ${nkv} -d ${d})
+              set_tests_properties(${det}.d${d}.q${nq}kv${nkv}${m}${t} PROPERTIES
+                                   ENVIRONMENT ATTN_DETERMINISTIC=1)
+            endforeach()
           endforeach()
+          attn_test(${name} deterministic_dq.heads.over_65535${m}${t} ${kind} ${common_args} ${c}
+                    ${bwd} -b 2 -H 32769 -n 3 -d ${d0})
+          set_tests_properties(${det}.heads.over_65535${m}${t} PROPERTIES
+                               ENVIRONMENT ATTN_DETERMINISTIC=1)
           list(GET ATTN_SMALL_SHARED_MEMORY 0 smallest)
-          list(APPEND det_cases "heads.over_65535:-b,2,-H,32769,-n,3,-d,${d0}"
-               "smem${smallest}.d128.q127kv513:-b,2,-H,3,--seq-q,127,--seq-kv,513,-d,128")
-          foreach(case ${det_cases})
-            string(REGEX REPLACE ":.*" "" cn "${case}")
-            string(REGEX REPLACE "^[^:]*:" "" shape "${case}")
-            string(REPLACE "," ";" shape "${shape}")
-            attn_test(${name} deterministic_dq.${cn}${m}${t} ${kind} ${common_args} ${c} ${bwd}
-                      ${shape})
-            set(env ATTN_DETERMINISTIC=1)
-            if(cn MATCHES "^smem")
-              list(APPEND env ATTN_SHARED_MEMORY_LIMIT=${smallest})
-            endif()
-            set_tests_properties(${name}.deterministic_dq.${cn}${m}${t} PROPERTIES
-                                 ENVIRONMENT "${env}")
-          endforeach()
+          attn_test(${name} deterministic_dq.smem${smallest}.d128.q127kv513${m}${t} ${kind}
+                    ${common_args} ${c} ${bwd} -b 2 -H 3 --seq-q 127 --seq-kv 513 -d 128)
+          set_tests_properties(${det}.smem${smallest}.d128.q127kv513${m}${t} PROPERTIES ENVIRONMENT
+                               "ATTN_DETERMINISTIC=1;ATTN_SHARED_MEMORY_LIMIT=${smallest}")
         endif()
         # The tiles the smallest GPUs get (see ATTN_SMALL_SHARED_MEMORY), every head dim.
         foreach(limit ${ATTN_SMALL_SHARED_MEMORY})
