@@ -149,12 +149,16 @@ float attn_round_to_dtype(float x, attn_dtype t);
 
 /* ---- small utilities ------------------------------------------------------------------ */
 
-/* Print "stage: message" to stderr and exit with `code`. */
+/* Print "stage: message" and attn_failure_note to stderr and exit with `code`. */
 #if defined(__GNUC__)
 __attribute__((noreturn, format(printf, 2, 3)))
 #endif
 void attn_fail(int code, const char *fmt, ...);
 void *attn_host_alloc(size_t bytes, const char *what); /* exits 2 when the host has no room */
+/* Ends every failure line once the inputs exist: " (seed S)" for generated inputs, so that
+ * any failing run, a CUDA error included, says how to repeat it; empty before, and for --load. */
+enum { ATTN_FAILURE_NOTE_BYTES = 32 };
+extern char attn_failure_note[ATTN_FAILURE_NOTE_BYTES];
 
 #ifdef __cplusplus
 }

@@ -14,6 +14,8 @@ extern const char *attn_program_name;
 #define FULL_CHECK_MAX_MACS 2147483648.0
 /* The least number of rows a sampled check compares (docs/conventions.md section 3). */
 enum { MIN_SAMPLED_ROWS = 256 };
+/* XORed into the seed for the row sample: a stream of its own, apart from the inputs'. */
+#define ROW_SAMPLE_STREAM 0x726f7773u /* "rows" */
 
 typedef struct {
   double err;
@@ -78,25 +80,23 @@ static double max_abs_kv(const attn_problem *p, const float *x) {
 }
 
 /* Prints where the worst element of a [B,heads,N,d] (d = 1 for LSE) tensor is. */
-static void report(const attn_check_inputs *in, const char *what, const max_error *m, double tol,
-                   int heads, int rows, int d) {
+static void report(const char *what, const max_error *m, double tol, int heads, int rows, int d) {
   long r = m->worst / d, c = m->worst % d;
   long bh = r / rows, i = r % rows;
   fprintf(stderr,
           "%s: %s: max |error| %.3e > tol %.3e at b=%ld h=%ld i=%ld c=%ld: got %.9g, reference "
-          "%.9g (seed %llu)\n",
+          "%.9g%s\n",
           attn_program_name, what, m->err, tol, bh / heads, bh % heads, i, c, m->got, m->want,
-          (unsigned long long)in->seed);
+          attn_failure_note);
 }
 
 /* Every element finite, and LSE = -inf exactly on the rows that see no key. */
-static int all_finite(const attn_check_inputs *in, const char *what, const float *x, size_t n,
-                      int d) {
+static int all_finite(const char *what, const float *x, size_t n, int d) {
   for (size_t e = 0; e < n; e++) {
     if (isfinite(x[e])) continue;
     long r = (long)(e / (size_t)d);
-    fprintf(stderr, "%s: %s: element %zu (row %ld) is %g (seed %llu)\n", attn_program_name, what, e,
-            r, x[e], (unsigned long long)in->seed);
+    fprintf(stderr, "%s: %s: element %zu (row %ld) is %g%s\n", attn_program_name, what, e, r, x[e],
+            attn_failure_note);
     return 0;
   }
   return 1;
@@ -109,17 +109,20 @@ static int lse_well_formed(const attn_check_inputs *in, const float *lse) {
     int empty = attn_visible_keys(p, (long)(r / ((size_t)p->heads * p->seq_q)), i) == 0;
     int fine = empty ? (isinf(lse[r]) && lse[r] < 0) : isfinite(lse[r]);
     if (fine) continue;
-    fprintf(stderr, "%s: LSE row %zu is %g, expected %s (seed %llu)\n", attn_program_name, r,
-            lse[r], empty ? "-inf (the row sees no key)" : "a finite value",
-            (unsigned long long)in->seed);
+    fprintf(stderr, "%s: LSE row %zu is %g, expected %s%s\n", attn_program_name, r, lse[r],
+            empty ? "-inf (the row sees no key)" : "a finite value", attn_failure_note);
     return 0;
   }
   return 1;
 }
 
-/* The rows to check: all of them, or, on a large problem, rows spread evenly over every
- * (batch, head) pair, first and last row included, at least MIN_SAMPLED_ROWS in all. */
-static long *choose_rows(const attn_problem *p, long *n_rows) {
+/* The rows to check: all of them, or, on a large problem, a random sample spread over every
+ * (batch, head) pair, at least MIN_SAMPLED_ROWS in all: each pair's rows cut into per_head
+ * equal runs and one row drawn from each, uniformly (the first run gives row 0 and the last
+ * the last row, where a tile's edge and the causal diagonal's end lie). Random, not evenly
+ * spaced: even spacing meets the same few row positions within a tile on every run, random
+ * rows reach any position over seeds; drawn from the run's seed, so a failing sample repeats. */
+static long *choose_rows(const attn_problem *p, uint64_t seed, long *n_rows) {
   long heads = (long)p->batch * p->heads, nq = p->seq_q;
   double macs = (double)heads * nq * p->seq_kv * p->head_dim;
   long per_head = nq;
@@ -128,14 +131,20 @@ static long *choose_rows(const attn_problem *p, long *n_rows) {
     if (per_head < 2) per_head = 2;
     if (per_head > nq) per_head = nq;
   }
+  attn_rng rng;
+  attn_rng_seed(&rng, seed ^ ROW_SAMPLE_STREAM);
   long *rows = attn_host_alloc(sizeof(long) * (size_t)(heads * per_head), "row list");
   for (long bh = 0; bh < heads; bh++)
-    for (long t = 0; t < per_head; t++)
-      rows[bh * per_head + t] =
-          bh * nq + (per_head == 1 ? nq - 1 : (long)((double)t * (nq - 1) / (per_head - 1) + 0.5));
+    for (long t = 0; t < per_head; t++) {
+      long begin = t * nq / per_head, end = (t + 1) * nq / per_head; /* run t: [begin, end) */
+      long i = begin + (long)(attn_rng_uniform(&rng) * (double)(end - begin));
+      if (t == 0) i = 0;
+      if (t == per_head - 1) i = nq - 1;
+      rows[bh * per_head + t] = bh * nq + (i < end ? i : end - 1);
+    }
   *n_rows = heads * per_head;
   if (per_head < nq)
-    printf("%s: checked %ld of %ld rows (sampled evenly in every batch and head)\n",
+    printf("%s: checked %ld of %ld rows (a random sample in every batch and head)\n",
            attn_program_name, *n_rows, heads * nq);
   return rows;
 }
@@ -144,11 +153,11 @@ void attn_check_forward(const attn_check_inputs *in, const float *o, const float
                         int v_is_constant, int q_is_zero, double *err, double *tol, int *ok) {
   const attn_problem *p = in->p;
   int d = p->head_dim;
-  *ok = all_finite(in, "O", o, attn_q_elems(p), d);
+  *ok = all_finite("O", o, attn_q_elems(p), d);
   if (in->saves_lse) *ok &= lse_well_formed(in, lse);
 
   long n_rows;
-  long *rows = choose_rows(p, &n_rows);
+  long *rows = choose_rows(p, in->seed, &n_rows);
   double *q = widen(in->q, attn_q_elems(p)), *k = widen(in->k, attn_kv_elems(p));
   double *v = widen(in->v, attn_kv_elems(p));
   double *o_ref = attn_host_alloc(sizeof(double) * (size_t)n_rows * d, "reference O");
@@ -195,10 +204,10 @@ void attn_check_forward(const attn_check_inputs *in, const float *o, const float
       track(&ea, r * d + c, o[r * d + c], want);
     }
   }
-  if (!(eo.err <= o_tol)) *ok = 0, report(in, "O", &eo, o_tol, p->heads, p->seq_q, d);
-  if (!(el.err <= lse_tol)) *ok = 0, report(in, "LSE", &el, lse_tol, p->heads, p->seq_q, 1);
+  if (!(eo.err <= o_tol)) *ok = 0, report("O", &eo, o_tol, p->heads, p->seq_q, d);
+  if (!(el.err <= lse_tol)) *ok = 0, report("LSE", &el, lse_tol, p->heads, p->seq_q, 1);
   if (!(ea.err <= o_tol))
-    *ok = 0, report(in, "O against its closed form", &ea, o_tol, p->heads, p->seq_q, d);
+    *ok = 0, report("O against its closed form", &ea, o_tol, p->heads, p->seq_q, d);
   *err = eo.err, *tol = o_tol;
   free(rows), free(q), free(k), free(v), free(o_ref), free(lse_ref);
 }
@@ -206,11 +215,11 @@ void attn_check_forward(const attn_check_inputs *in, const float *o, const float
 int attn_check_finite(const attn_check_inputs *in, const float *o, const float *lse,
                       const float *dq, const float *dk, const float *dv) {
   const attn_problem *p = in->p;
-  int d = p->head_dim, ok = all_finite(in, "O", o, attn_q_elems(p), d);
+  int d = p->head_dim, ok = all_finite("O", o, attn_q_elems(p), d);
   if (in->saves_lse) ok &= lse_well_formed(in, lse);
-  if (dq) ok &= all_finite(in, "dQ", dq, attn_q_elems(p), d);
-  if (dk) ok &= all_finite(in, "dK", dk, attn_kv_elems(p), d);
-  if (dv) ok &= all_finite(in, "dV", dv, attn_kv_elems(p), d);
+  if (dq) ok &= all_finite("dQ", dq, attn_q_elems(p), d);
+  if (dk) ok &= all_finite("dK", dk, attn_kv_elems(p), d);
+  if (dv) ok &= all_finite("dV", dv, attn_kv_elems(p), d);
   return ok;
 }
 
@@ -251,7 +260,7 @@ void attn_check_backward(const attn_check_inputs *in, const float *o, const floa
   }
   *ok = 1, *err = 0, *tol = 1;
   for (int g = 0; g < 3; g++) {
-    if (!all_finite(in, names[g], got[g], counts[g], p->head_dim)) *ok = 0;
+    if (!all_finite(names[g], got[g], counts[g], p->head_dim)) *ok = 0;
     double max_ref = 0;
     for (size_t e = 0; e < counts[g]; e++) max_ref = fmax(max_ref, fabs(ref[g][e]));
     double g_tol = 2e-5 * fmax(1, max_s) * fmax(1, max_ref);
@@ -260,7 +269,7 @@ void attn_check_backward(const attn_check_inputs *in, const float *o, const floa
               rounding_floor(ref[g], counts[g], p->dtype);
     max_error m = {0, -1, 0, 0};
     for (size_t e = 0; e < counts[g]; e++) track(&m, (long)e, got[g][e], ref[g][e]);
-    if (!(m.err <= g_tol)) *ok = 0, report(in, names[g], &m, g_tol, heads[g], rows[g], p->head_dim);
+    if (!(m.err <= g_tol)) *ok = 0, report(names[g], &m, g_tol, heads[g], rows[g], p->head_dim);
     if (g == 0 || !(m.err / g_tol <= *err / *tol)) *err = m.err, *tol = g_tol;
   }
   free(q), free(k), free(v), free(d_o), free(o_ref), free(lse_ref);

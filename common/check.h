@@ -11,13 +11,14 @@ extern "C" {
 typedef struct {
   const attn_problem *p;
   const float *q, *k, *v, *d_o; /* the inputs exactly as the stage saw them */
-  uint64_t seed;                /* printed with every failure */
+  uint64_t seed;                /* --seed (also with --load): draws a large check's row sample */
   int saves_lse;
 } attn_check_inputs;
 
 /* Checks O (and LSE when the stage saves it) against the float64 reference, and against
  * the closed form where the inputs have one (every V row equal: O = V; Q = 0: O = mean of
- * the visible V; Nkv = 1: O = V_0). Sets *ok; prints every failure with its worst element. */
+ * the visible V; Nkv = 1: O = V_0). Sets *ok; prints every failure with its worst element
+ * (and attn_failure_note). */
 void attn_check_forward(const attn_check_inputs *in, const float *o, const float *lse,
                         int v_is_constant, int q_is_zero, double *err, double *tol, int *ok);
 /* Checks dQ, dK, dV against the float64 reference backward of loss = sum(O * dO). */

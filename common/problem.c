@@ -48,6 +48,7 @@ const char *attn_dtype_name(attn_dtype t) {
 }
 
 const char *attn_program_name = "attention";
+char attn_failure_note[ATTN_FAILURE_NOTE_BYTES] = "";
 
 void attn_fail(int code, const char *fmt, ...) {
   va_list ap;
@@ -55,7 +56,7 @@ void attn_fail(int code, const char *fmt, ...) {
   va_start(ap, fmt);
   vfprintf(stderr, fmt, ap);
   va_end(ap);
-  fputc('\n', stderr);
+  fprintf(stderr, "%s\n", attn_failure_note);
   exit(code);
 }
 

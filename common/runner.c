@@ -795,8 +795,11 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
   if (o.backward) in.d_o = attn_host_alloc(nq * sizeof(float), "dO");
   if (o.load_dir)
     load_inputs(&o, &in);
-  else
+  else {
     make_inputs(&o, &in);
+    snprintf(attn_failure_note, sizeof attn_failure_note, " (seed %llu)",
+             (unsigned long long)o.seed);
+  }
   apply_pattern(&o, &in);
   round_inputs_or_refuse(&o, &in);
 
@@ -915,7 +918,6 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
   free(in.q), free(in.k), free(in.v), free(in.d_o), free(o_host), free(lse_host);
   free(o.cache_lens);
   for (int g = 0; g < 3; g++) free(grads[g]);
-  if (failed)
-    fprintf(stderr, "%s: check FAILED (seed %llu)\n", s->name, (unsigned long long)o.seed);
+  if (failed) fprintf(stderr, "%s: check FAILED%s\n", s->name, attn_failure_note);
   return failed ? EXIT_CHECK_FAILED : EXIT_OK;
 }
