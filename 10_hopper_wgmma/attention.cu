@@ -892,15 +892,13 @@ static void launch_forward(const attn_problem *p, const attn_buffers *t) {
   CHECK_LAUNCH("flash_forward_kernel");
 }
 
-/* The kernels are built for sm_90a only: any other GPU is told so before a launch fails. */
+/* The kernels are built for sm_90a only: any other GPU is told so before a launch fails.
+ * Asked at every launch, not once: a process (PyTorch's) may move between GPUs. */
 static void require_hopper() {
-  static int major = -1, minor = -1;
-  if (major < 0) {
-    int device;
-    CUDA_CHECK(cudaGetDevice(&device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  }
+  int device, major, minor;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
   if (major != 9 || minor != 0)
     attn_fail(EXIT_NO_DEVICE,
               "needs compute capability 9.0 (Hopper: wgmma, TMA, setmaxnreg); this GPU is %d.%d",
