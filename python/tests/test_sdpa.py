@@ -229,6 +229,10 @@ def test_tensors_on_a_device_that_is_not_current():
     with torch.cuda.device(1):
         got = fs.scaled_dot_product_attention(q, k, v, is_causal=True, stage=stage)
     assert got.device == q.device and torch.equal(got, want)
+    # and the other way round: tensors on GPU 1 while GPU 0 is current
+    on_1 = [x.detach().to("cuda:1") for x in (q, k, v)]
+    got = fs.scaled_dot_product_attention(*on_1, is_causal=True, stage=stage)
+    assert got.device == on_1[0].device and torch.equal(got.cpu(), want.cpu())
 
 
 def test_side_stream_is_ordered():
