@@ -230,26 +230,26 @@ function(attention_stage name source)
         if(ARG_ATOMIC_DQ)
           # That path's own kernels, checked like the default's: every head dim, Nq != Nkv
           # (causal: rows that see no key), B x H past 65535, and the tiles of a 99 KiB GPU.
-          set(det ${name}.deterministic_dq)
+          set(det_tests)
+          set(det_nq 200 127)
+          set(det_nkv 67 513)
           foreach(d ${dims})
-            foreach(nq_nkv 200,67 127,513)
-              string(REPLACE "," ";" qk ${nq_nkv})
-              list(GET qk 0 nq)
-              list(GET qk 1 nkv)
-              attn_test(${name} deterministic_dq.d${d}.q${nq}kv${nkv}${m}${t} ${kind}
-                        ${common_args} ${c} ${bwd} -b 2 -H 3 --seq-q ${nq} --seq-kv ${nkv} -d ${d})
-              set_tests_properties(${det}.d${d}.q${nq}kv${nkv}${m}${t} PROPERTIES
-                                   ENVIRONMENT ATTN_DETERMINISTIC=1)
+            foreach(nq nkv IN ZIP_LISTS det_nq det_nkv)
+              set(case deterministic_dq.d${d}.q${nq}kv${nkv}${m}${t})
+              attn_test(${name} ${case} ${kind} ${common_args} ${c} ${bwd} -b 2 -H 3 --seq-q ${nq}
+                        --seq-kv ${nkv} -d ${d})
+              list(APPEND det_tests ${name}.${case})
             endforeach()
           endforeach()
-          attn_test(${name} deterministic_dq.heads.over_65535${m}${t} ${kind} ${common_args} ${c}
-                    ${bwd} -b 2 -H 32769 -n 3 -d ${d0})
-          set_tests_properties(${det}.heads.over_65535${m}${t} PROPERTIES
-                               ENVIRONMENT ATTN_DETERMINISTIC=1)
+          set(case deterministic_dq.heads.over_65535${m}${t})
+          attn_test(${name} ${case} ${kind} ${common_args} ${c} ${bwd} -b 2 -H 32769 -n 3 -d ${d0})
+          list(APPEND det_tests ${name}.${case})
+          set_tests_properties(${det_tests} PROPERTIES ENVIRONMENT ATTN_DETERMINISTIC=1)
           list(GET ATTN_SMALL_SHARED_MEMORY 0 smallest)
-          attn_test(${name} deterministic_dq.smem${smallest}.d128.q127kv513${m}${t} ${kind}
-                    ${common_args} ${c} ${bwd} -b 2 -H 3 --seq-q 127 --seq-kv 513 -d 128)
-          set_tests_properties(${det}.smem${smallest}.d128.q127kv513${m}${t} PROPERTIES ENVIRONMENT
+          set(case deterministic_dq.smem${smallest}.d128.q127kv513${m}${t})
+          attn_test(${name} ${case} ${kind} ${common_args} ${c} ${bwd} -b 2 -H 3 --seq-q 127
+                    --seq-kv 513 -d 128)
+          set_tests_properties(${name}.${case} PROPERTIES ENVIRONMENT
                                "ATTN_DETERMINISTIC=1;ATTN_SHARED_MEMORY_LIMIT=${smallest}")
         endif()
         # The tiles the smallest GPUs get (see ATTN_SMALL_SHARED_MEMORY), every head dim.
