@@ -140,7 +140,7 @@ static long *choose_rows(const attn_problem *p, uint64_t seed, long *n_rows) {
       long i = begin + (long)(attn_rng_uniform(&rng) * (double)(end - begin));
       if (t == 0) i = 0;
       if (t == per_head - 1) i = nq - 1;
-      rows[bh * per_head + t] = bh * nq + (i < end ? i : end - 1);
+      rows[bh * per_head + t] = bh * nq + (i < end ? i : end - 1); /* the product may round up */
     }
   *n_rows = heads * per_head;
   if (per_head < nq)
