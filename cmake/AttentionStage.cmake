@@ -363,6 +363,8 @@ function(attention_stage name source)
   attn_expect(${name} bad.too_large ${kind} 2 "too large" -b 16384 -H 16384 -n 16384)
   attn_expect(${name} bad.load_missing ${kind} 2 "No such file" --load
               ${CMAKE_CURRENT_BINARY_DIR}/no_such_dir)
+  attn_expect(${name} bad.load_input_scale ${kind} 2 "--input-scale scales random inputs"
+              --load ${CMAKE_CURRENT_BINARY_DIR}/no_such_dir --input-scale 2)
   if(NOT ARG_CAUSAL)
     attn_expect(${name} bad.causal ${kind} 2 "causal mask comes in 05_causal" --causal)
   endif()

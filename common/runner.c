@@ -36,7 +36,7 @@ typedef enum { PATTERN_RANDN, PATTERN_CONST_V, PATTERN_ZERO_Q } input_pattern;
 typedef struct {
   attn_problem p;
   int given_batch, given_heads, given_heads_kv, given_seq_q, given_seq_kv, given_dim, given_scale;
-  int given_check;
+  int given_check, given_input_scale;
   const char *cache_lens_text; /* --cache-lens, parsed once B and Nkv are known */
   int *cache_lens;             /* what p.cache_lens points to */
   uint64_t seed;
@@ -79,7 +79,8 @@ static void usage(const attn_stage *s) {
       "      --tsv FILE     append one result row per pass (a header when FILE is new)\n"
       "      --inputs P     randn (default) | const-v (every V row the same: O = V)\n"
       "                     | zero-q (Q = 0: O = mean of the visible V rows)\n"
-      "      --input-scale X  multiply Q, K and V by X (large logits)\n"
+      "      --input-scale X  multiply the random Q, K and V by X (large logits; not\n"
+      "                     with --load)\n"
       "      --describe     one tab-separated line of what this stage supports\n"
       "  -h, --help         this text\n"
       "long options also take --name=value and any unambiguous prefix (--seq-k 300)\n"
@@ -286,6 +287,7 @@ static void parse_options(const attn_stage *s, int argc, char **argv, options *o
         o->input_scale = parse_real("--input-scale", v);
         if (!(o->input_scale > 0))
           attn_fail(EXIT_BAD_USAGE, "--input-scale must be positive, got '%s'", v);
+        o->given_input_scale = 1;
         break;
       default: refuse_option(c, argv); /* '?' (unknown) or ':' (a value missing) */
     }
@@ -295,6 +297,10 @@ static void parse_options(const attn_stage *s, int argc, char **argv, options *o
     attn_fail(EXIT_BAD_USAGE,
               "unexpected argument '%s': every value follows its option (see --help)",
               argv[optind]);
+  /* The scale multiplies random inputs as they are drawn; loaded ones are used as they are. */
+  if (o->load_dir && o->given_input_scale)
+    attn_fail(EXIT_BAD_USAGE,
+              "--input-scale scales random inputs, not loaded ones: scale the .npy files instead");
   /* Decode: one new query per sequence, unless --seq-q (or a loaded q.npy) says otherwise;
    * --seq then sets the cache's capacity. */
   if (o->cache_lens_text && !o->given_seq_q && !o->load_dir) o->p.seq_q = 1, o->given_seq_q = 1;
