@@ -31,6 +31,7 @@ code (shared-memory opt-in, the dQ buffer's memset) was not written with capture
 """
 import math
 import os
+import re
 import warnings
 
 import torch
@@ -183,22 +184,23 @@ def _warn_once(why, stacklevel):
         warnings.warn(f"flash_stages: falling back to torch SDPA: {why}", stacklevel=stacklevel)
 
 
+def _sdpa(q, k, v, is_causal, scale, enable_gqa, attn_mask=None, dropout_p=0.0):
+    """torch SDPA with the stages' causal alignment: for Nq != Nkv, is_causal means the
+    bottom-right mask, which SDPA's is_causal (top-left) is not. What SDPA refuses (is_causal
+    with an attn_mask, tensors under 2-D) it refuses with its own message."""
+    F = torch.nn.functional
+    if is_causal and attn_mask is None and min(q.dim(), k.dim()) >= 2 and \
+            q.shape[-2] != k.shape[-2]:
+        from torch.nn.attention.bias import causal_lower_right
+        attn_mask, is_causal = causal_lower_right(q.shape[-2], k.shape[-2]), False
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          is_causal=is_causal, scale=scale,
+                                          enable_gqa=enable_gqa)
+
+
 def _fallback(q, k, v, is_causal, scale, enable_gqa, why, attn_mask=None, dropout_p=0.0):
     _warn_once(why, 4)
-    F = torch.nn.functional
-    if attn_mask is not None or dropout_p != 0.0 or min(q.dim(), k.dim()) < 2:
-        # SDPA's own semantics for what the stages never take (SDPA says what it refuses).
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal, scale=scale,
-                                              enable_gqa=enable_gqa)
-    nq, nkv = q.shape[-2], k.shape[-2]
-    if is_causal and nq != nkv:
-        # The stages' bottom-right alignment, which SDPA's is_causal (top-left) is not.
-        from torch.nn.attention.bias import causal_lower_right
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(nq, nkv),
-                                              scale=scale, enable_gqa=enable_gqa)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
-                                          enable_gqa=enable_gqa)
+    return _sdpa(q, k, v, is_causal, scale, enable_gqa, attn_mask, dropout_p)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -217,10 +219,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if attn_mask is not None or dropout_p != 0.0:
         why = "the stages take no attn_mask and no dropout (use is_causal for the causal mask)"
         if fallback:
-            _warn_once(why, 3)
-            return torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                scale=scale, enable_gqa=enable_gqa)
+            return _fallback(q, k, v, is_causal, scale, enable_gqa, why, attn_mask, dropout_p)
         raise FlashStagesError(why)
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -281,12 +280,43 @@ def _run(fn, problem, buffers, device, what):
         raise RuntimeError(f"flash_stages: {what} failed: CUDA error {err}")
 
 
+# While torch's deterministic mode is on, ATTN_DETERMINISTIC is "1" for the backward; the
+# caller's own value (None: unset) is kept here meanwhile and put back when the mode is off.
+_caller_deterministic = None
+_forcing_deterministic = False
+
+
 def _set_deterministic():
-    """ATTN_DETERMINISTIC (docs/conventions.md) follows torch.use_deterministic_algorithms:
-    a stage that adds dQ by atomics then takes its deterministic path."""
-    want = "1" if torch.are_deterministic_algorithms_enabled() else "0"
-    if os.environ.get("ATTN_DETERMINISTIC") != want:
-        os.environ["ATTN_DETERMINISTIC"] = want
+    """ATTN_DETERMINISTIC (docs/conventions.md section 6) follows the caller, and
+    torch.use_deterministic_algorithms(True) turns it on: a stage that adds dQ by atomics
+    then takes its deterministic path."""
+    global _caller_deterministic, _forcing_deterministic
+    if torch.are_deterministic_algorithms_enabled():
+        if not _forcing_deterministic:
+            _caller_deterministic = os.environ.get("ATTN_DETERMINISTIC")
+            _forcing_deterministic = True
+        os.environ["ATTN_DETERMINISTIC"] = "1"
+    elif _forcing_deterministic:
+        _forcing_deterministic = False
+        if _caller_deterministic is None:
+            os.environ.pop("ATTN_DETERMINISTIC", None)
+        else:
+            os.environ["ATTN_DETERMINISTIC"] = _caller_deterministic
+
+
+def _check_environment():
+    """The harness's variables (docs/conventions.md section 6) by its own rules: the library
+    would end the process on a bad value, as the programs exit 2; here it is an exception."""
+    def whole(name, low, high):  # strtoull/strtol's decimal forms: spaces, then a + sign
+        text = os.environ.get(name, "")
+        digits = text.lstrip(" \t\n\v\f\r").removeprefix("+")
+        if text and not (re.fullmatch("[0-9]+", digits) and low <= int(digits) <= high):
+            raise FlashStagesError(f"{name} must be an integer in {low}..{high}, got {text!r}")
+    det = os.environ.get("ATTN_DETERMINISTIC", "")
+    if det not in ("", "0", "1"):
+        raise FlashStagesError(f"ATTN_DETERMINISTIC must be 0 or 1, got {det!r}")
+    whole("ATTN_SHARED_MEMORY_LIMIT", 1, 2**64 - 1)
+    whole("ATTN_DECODE_CHUNK_KEYS", 1, _MAX_DIM)
 
 
 # Tagged only where this PyTorch has the tag (and so custom_op's `tags`, which came first).
@@ -307,6 +337,7 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage: str, c
     bufs = _library.Buffers(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
                             lse.data_ptr(), None, None, None, None,
                             ws.data_ptr() if ws.numel() else None)
+    _check_environment()
     last_call.clear()
     last_call.update(stage=stage, direction="forward", q=q.data_ptr(), k=k.data_ptr(),
                      v=v.data_ptr(), o=o.data_ptr(), lse=lse.data_ptr())
@@ -334,6 +365,7 @@ def _backward_op(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                             lse.data_ptr(), d_o.data_ptr(), dq.data_ptr(), dk.data_ptr(),
                             dv.data_ptr(), ws.data_ptr() if ws.numel() else None)
     _set_deterministic()
+    _check_environment()
     last_call.clear()
     last_call.update(stage=stage, direction="backward", q=q.data_ptr(), k=k.data_ptr(),
                      v=v.data_ptr(), d_o=d_o.data_ptr(), dq=dq.data_ptr(), dk=dk.data_ptr(),

@@ -22,6 +22,7 @@ if not fs.stages():
     pytest.skip("no stage library loaded", allow_module_level=True)
 
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
 HALF = [s for s in fs.HALF_STAGES if s in fs.stages()]
 FP32 = [s for s in ("03_cuda_forward", "04_shared_memory", "05_causal", "06_backward")
@@ -105,6 +106,34 @@ def test_half_precision_rule(stage, dtype, shape):
         if not err <= m * base + floor:
             failures.append(f"{name} error {err:.3e} > {m} x {base:.3e} + {floor:.1e}")
     assert not failures, "; ".join(failures)
+
+
+# (B, H, Nq, Nkv, d, causal), with 2 key/value heads: decode (Nq = 1 and 4) and prefill.
+GQA_SHAPES = [(2, 8, 1, 300, 128, True), (1, 8, 4, 1000, 64, True), (2, 4, 129, 200, 64, False)]
+
+
+@pytest.mark.parametrize("shape", GQA_SHAPES, ids=lambda s: "B{}H{}_{}x{}_d{}{}".format(
+    *s[:5], "_causal" if s[5] else ""))
+def test_grouped_query_forward(shape):
+    """Stage 11's enable_gqa forward by the half-precision rule for O, against float64
+    attention over the key/value heads repeated for their query heads."""
+    if "11_split_kv_decode" not in fs.stages():
+        pytest.skip("11_split_kv_decode is not loaded")
+    b, h, nq, nkv, d, causal = shape
+    heads_kv, scale = 2, 1 / math.sqrt(d)
+    q, k, v, d_o = inputs(shape, torch.float16)
+    k, v = k[:, :heads_kv].contiguous(), v[:, :heads_kv].contiguous()
+    got = fs.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True,
+                                          stage="11_split_kv_decode")
+    k_all, v_all = (x.repeat_interleave(h // heads_kv, dim=1) for x in (k, v))
+    ref = float64_reference(q, k_all, v_all, d_o, causal, scale)[0]
+    low = same_precision_baseline(torch, q, k_all, v_all, d_o, scale, causal, torch.float16)[0]
+    assert torch.isfinite(got).all(), "O has NaN or Inf"
+    err = (got.double() - ref).abs().max().item()
+    base = (low.double() - ref).abs().max().item()
+    x = ref.to(torch.float16)
+    floor = 2 * ((x + 0.3 - 0.3) - x).abs().max().item()
+    assert err <= 2 * base + floor, f"O error {err:.3e} > 2 x {base:.3e} + {floor:.1e}"
 
 
 FP32_SHAPES = [(1, 2, 129, 129, 64, False), (2, 3, 113, 203, 32, True),
@@ -280,6 +309,41 @@ def test_deterministic_backward_when_asked():
         assert torch.equal(a, b), f"{name} differs between two deterministic runs"
 
 
+def test_deterministic_follows_the_caller(monkeypatch):
+    """ATTN_DETERMINISTIC=1 set by the caller holds with torch's deterministic mode off, and
+    the mode turned on and off again leaves the caller's value as it was."""
+    stage = fastest_half()
+    q, k, v, d_o = inputs((1, 2, 128, 128, 64, False), torch.float16)
+    monkeypatch.setenv("ATTN_DETERMINISTIC", "1")
+    run_stage(stage, q, k, v, d_o, False)
+    assert os.environ.get("ATTN_DETERMINISTIC") == "1"
+    monkeypatch.delenv("ATTN_DETERMINISTIC")
+    torch.use_deterministic_algorithms(True)
+    try:
+        run_stage(stage, q, k, v, d_o, False)
+        assert os.environ.get("ATTN_DETERMINISTIC") == "1"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    run_stage(stage, q, k, v, d_o, False)
+    assert "ATTN_DETERMINISTIC" not in os.environ
+
+
+@pytest.mark.parametrize("name,value", [("ATTN_DETERMINISTIC", "yes"),
+                                        ("ATTN_SHARED_MEMORY_LIMIT", "96k"),
+                                        ("ATTN_SHARED_MEMORY_LIMIT", "0"),
+                                        ("ATTN_DECODE_CHUNK_KEYS", "-4")])
+def test_bad_environment_is_an_error(monkeypatch, name, value):
+    """A value the harness refuses (its programs exit 2) is an exception here, not the end of
+    the process; the same call runs once the variable is gone."""
+    stage = fastest_half()
+    q, k, v, d_o = inputs((1, 2, 64, 64, 64, False), torch.float16)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(fs.FlashStagesError, match=name):
+        run_stage(stage, q, k, v, d_o, False)
+    monkeypatch.delenv(name)
+    run_stage(stage, q, k, v, d_o, False)
+
+
 def test_errors_are_clear():
     stage = fastest_half()
     q, k, v, _ = inputs((1, 2, 64, 64, 64, False), torch.float16)
@@ -342,6 +406,21 @@ def test_fallback_says_so_once_and_keeps_the_alignment():
     assert len(said) == 1, [str(w.message) for w in caught]
     want = torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=keep)
     assert torch.allclose(got, want, atol=2e-3, equal_nan=True)
+    # Dropout, which no stage takes, goes to SDPA with the stages' bottom-right alignment:
+    # the same result as SDPA given that mask (the same drops, the same seed), not as SDPA's
+    # top-left is_causal.
+    qs, ks = q[:, :, :30], k  # Nq < Nkv: top-left would hide keys bottom-right shows
+    torch.manual_seed(7)
+    got = fs.scaled_dot_product_attention(qs, ks, ks, is_causal=True, dropout_p=0.3,
+                                          fallback=True)
+    torch.manual_seed(7)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        qs, ks, ks, attn_mask=causal_lower_right(30, 60), dropout_p=0.3)
+    torch.manual_seed(7)
+    top_left = torch.nn.functional.scaled_dot_product_attention(qs, ks, ks, is_causal=True,
+                                                                dropout_p=0.3)
+    assert torch.allclose(got, want, atol=2e-3)
+    assert not torch.allclose(got, top_left, atol=2e-3)
     # CPU tensors, which no stage takes, go to SDPA too.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
