@@ -43,12 +43,15 @@ size_t attn_shared_memory_limit(void) {
   return limit;
 }
 
+/* Per thread, like the stream below: PyTorch runs backward passes on threads of its own. */
+static thread_local int attn_deterministic_asked;
+void attn_set_deterministic(int asked) { attn_deterministic_asked = asked; }
+
 int attn_deterministic(void) {
   const char *text = getenv("ATTN_DETERMINISTIC");
-  if (!text || !*text || strcmp(text, "0") == 0) return 0;
-  if (strcmp(text, "1") != 0)
+  if (text && *text && strcmp(text, "0") != 0 && strcmp(text, "1") != 0)
     attn_fail(EXIT_BAD_USAGE, "ATTN_DETERMINISTIC must be 0 or 1, got '%s'", text);
-  return 1;
+  return attn_deterministic_asked || (text && strcmp(text, "1") == 0);
 }
 
 int attn_decode_chunk_keys(void) {

@@ -21,10 +21,14 @@ void attn_cuda_check(cudaError_t err, const char *what, const char *file, int li
  * tile for a smaller GPU can be exercised on a larger one. */
 size_t attn_shared_memory_limit(void);
 
-/* Whether the environment variable ATTN_DETERMINISTIC is 1: a stage whose backward adds dQ
- * by fp32 atomics (in an order that changes from run to run, and so do dQ's last bits) then
- * takes its deterministic path. Any other value but unset or 0 is a usage error. */
+/* Whether the environment variable ATTN_DETERMINISTIC is 1, or the calling thread asked for
+ * determinism (attn_set_deterministic): a stage whose backward adds dQ by fp32 atomics (in an
+ * order that changes from run to run, and so do dQ's last bits) then takes its deterministic
+ * path. Any other value of the variable but unset or 0 is a usage error. The Python package
+ * asks around each backward while torch's deterministic mode is on, leaving the caller's
+ * environment as it is; the stage programs never ask. */
 int attn_deterministic(void);
+void attn_set_deterministic(int asked);
 
 /* The chunk length a decode stage (11) splits every sequence's keys into, from the environment
  * variable ATTN_DECODE_CHUNK_KEYS, instead of the stage's own rule: so that tests can put a

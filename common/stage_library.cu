@@ -45,10 +45,15 @@ extern "C" int attn_library_forward(const attn_problem *p, const attn_buffers *t
   attn_set_stream(0);
   return (int)cudaGetLastError();
 }
-extern "C" int attn_library_backward(const attn_problem *p, const attn_buffers *t, void *stream) {
+/* deterministic: nonzero takes the deterministic path where the stage has one, as
+ * ATTN_DETERMINISTIC=1 does, without touching the environment. */
+extern "C" int attn_library_backward(const attn_problem *p, const attn_buffers *t, void *stream,
+                                     int deterministic) {
   if (!stage.backward) return -1;
   attn_set_stream((cudaStream_t)stream);
+  attn_set_deterministic(deterministic);
   stage.backward(p, t);
+  attn_set_deterministic(0);
   attn_set_stream(0);
   return (int)cudaGetLastError();
 }

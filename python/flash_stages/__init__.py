@@ -280,30 +280,6 @@ def _run(fn, problem, buffers, device, what):
         raise RuntimeError(f"flash_stages: {what} failed: CUDA error {err}")
 
 
-# While torch's deterministic mode is on, ATTN_DETERMINISTIC is "1" for the backward; the
-# caller's own value (None: unset) is kept here meanwhile and put back when the mode is off.
-_caller_deterministic = None
-_forcing_deterministic = False
-
-
-def _set_deterministic():
-    """ATTN_DETERMINISTIC (docs/conventions.md section 6) follows the caller, and
-    torch.use_deterministic_algorithms(True) turns it on: a stage that adds dQ by atomics
-    then takes its deterministic path."""
-    global _caller_deterministic, _forcing_deterministic
-    if torch.are_deterministic_algorithms_enabled():
-        if not _forcing_deterministic:
-            _caller_deterministic = os.environ.get("ATTN_DETERMINISTIC")
-            _forcing_deterministic = True
-        os.environ["ATTN_DETERMINISTIC"] = "1"
-    elif _forcing_deterministic:
-        _forcing_deterministic = False
-        if _caller_deterministic is None:
-            os.environ.pop("ATTN_DETERMINISTIC", None)
-        else:
-            os.environ["ATTN_DETERMINISTIC"] = _caller_deterministic
-
-
 def _check_environment():
     """The harness's variables (docs/conventions.md section 6) by its own rules: the library
     would end the process on a bad value, as the programs exit 2; here it is an exception."""
@@ -364,13 +340,16 @@ def _backward_op(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     bufs = _library.Buffers(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
                             lse.data_ptr(), d_o.data_ptr(), dq.data_ptr(), dk.data_ptr(),
                             dv.data_ptr(), ws.data_ptr() if ws.numel() else None)
-    _set_deterministic()
     _check_environment()
     last_call.clear()
     last_call.update(stage=stage, direction="backward", q=q.data_ptr(), k=k.data_ptr(),
                      v=v.data_ptr(), d_o=d_o.data_ptr(), dq=dq.data_ptr(), dk=dk.data_ptr(),
                      dv=dv.data_ptr())
-    _run(lib.run_backward, p, bufs, q.device, f"{stage} backward")
+    # torch's deterministic mode asks the stage for its deterministic dQ path (09-11), as
+    # ATTN_DETERMINISTIC=1 in the environment does, which is left as the caller set it.
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    _run(lambda *a: lib.run_backward(*a, deterministic), p, bufs, q.device,
+         f"{stage} backward")
     return dq, dk, dv
 
 

@@ -55,10 +55,11 @@ class StageLibrary:
         for fn in ("attn_library_forward_workspace", "attn_library_backward_workspace"):
             getattr(self.lib, fn).restype = ctypes.c_size_t
             getattr(self.lib, fn).argtypes = [ctypes.POINTER(Problem)]
-        for fn in ("attn_library_forward", "attn_library_backward"):
+        passes = {"attn_library_forward": [], "attn_library_backward": [ctypes.c_int]}
+        for fn, extra in passes.items():  # the backward's extra: deterministic
             getattr(self.lib, fn).restype = ctypes.c_int
             getattr(self.lib, fn).argtypes = [ctypes.POINTER(Problem), ctypes.POINTER(Buffers),
-                                              ctypes.c_void_p]
+                                              ctypes.c_void_p, *extra]
         s = self.lib.attn_library_stage().contents
         self.name = s.name.decode()
         self.idea = s.idea.decode()
@@ -81,9 +82,10 @@ class StageLibrary:
         return self.lib.attn_library_forward(ctypes.byref(problem), ctypes.byref(buffers),
                                              stream)
 
-    def run_backward(self, problem, buffers, stream):
+    def run_backward(self, problem, buffers, stream, deterministic=False):
+        """deterministic: the stage's deterministic path, as ATTN_DETERMINISTIC=1 gives."""
         return self.lib.attn_library_backward(ctypes.byref(problem), ctypes.byref(buffers),
-                                              stream)
+                                              stream, int(deterministic))
 
 
 def library_dirs():
