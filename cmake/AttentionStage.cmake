@@ -326,15 +326,17 @@ function(attention_stage name source)
 
   if(kind STREQUAL "gpu" AND ARG_BACKWARD)
     # Where even the small tiles do not fit, a clear refusal (exit 2), not a failed launch;
-    # and a limit that is not a byte count is refused too.
+    # and a limit that is not a byte count is refused too (" -5": strtoull would negate it
+    # past the spaces into 2^64 - 5, no limit at all).
     foreach(case "limit_too_small;40000;needs [0-9]+ bytes of shared memory"
-                 "limit_not_a_number;99KiB;ATTN_SHARED_MEMORY_LIMIT must be a positive byte count")
+                 "limit_not_a_number;99KiB;ATTN_SHARED_MEMORY_LIMIT must be a positive byte count"
+                 "limit_negative; -5;ATTN_SHARED_MEMORY_LIMIT must be a positive byte count")
       list(GET case 0 what)
       list(GET case 1 value)
       list(GET case 2 regex)
       attn_expect(${name} bad.shared_memory_${what} ${kind} 2 "${regex}" --backward -d 128 -n 64)
       set_tests_properties(${name}.bad.shared_memory_${what} PROPERTIES
-                           ENVIRONMENT ATTN_SHARED_MEMORY_LIMIT=${value})
+                           ENVIRONMENT "ATTN_SHARED_MEMORY_LIMIT=${value}")
     endforeach()
   endif()
 

@@ -35,7 +35,8 @@ size_t attn_shared_memory_limit(void) {
     char *end;
     errno = 0;
     unsigned long long v = strtoull(text, &end, 10);
-    if (errno || end == text || *end || text[0] == '-' || v == 0)
+    /* strtoull skips spaces and negates a '-' after them: " -5" would be 2^64 - 5 */
+    if (errno || end == text || *end || strchr(text, '-') || v == 0)
       attn_fail(EXIT_BAD_USAGE, "ATTN_SHARED_MEMORY_LIMIT must be a positive byte count, got '%s'",
                 text);
     if (v < limit) limit = (size_t)v;

@@ -1,7 +1,7 @@
 /* One GPU stage as a shared library, for the Python package (python/flash_stages).
  *
  * The stage's own source file is compiled here unchanged: ATTN_STAGE_SOURCE names it, and its
- * main() is renamed so that the library has none. What the library adds is five C entry
+ * main() is renamed so that the library has none. What the library adds is six C entry
  * points around the stage's descriptor, so that Python (ctypes) runs exactly the kernels the
  * stage program runs, on buffers PyTorch owns. The descriptor is read, not copied: the head
  * dims and dtypes Python accepts are the ones the program accepts.
@@ -18,6 +18,11 @@
 #undef main
 
 extern "C" const char *attn_program_name;
+
+/* The version of these entry points, which python/flash_stages/_library.py checks: 2 since
+ * attn_library_backward takes `deterministic`. A library built before would ignore that
+ * argument, so the package refuses one without this function or with another version. */
+extern "C" int attn_library_abi(void) { return 2; }
 
 /* The stage's descriptor: name, idea, head dims, dtypes, causal and backward support. The
  * program name is set here, once, so that the harness's error lines name the stage. */

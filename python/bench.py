@@ -194,10 +194,11 @@ def run_program(torch, path, b, h, n, d, dtype, causal, backward):
     # allocator holds but does not use.
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    # The Python package sets ATTN_DETERMINISTIC from torch's setting before each backward;
-    # the program must take the same dQ path (atomics or the dQ kernel) to time the same work.
-    env = dict(os.environ,
-               ATTN_DETERMINISTIC="1" if torch.are_deterministic_algorithms_enabled() else "0")
+    # The package takes the deterministic dQ path under torch's deterministic mode or with
+    # ATTN_DETERMINISTIC=1; the program must take the same path to time the same work.
+    deterministic = (torch.are_deterministic_algorithms_enabled() or
+                     os.environ.get("ATTN_DETERMINISTIC") == "1")
+    env = dict(os.environ, ATTN_DETERMINISTIC="1" if deterministic else "0")
     with tempfile.TemporaryDirectory() as tmp:
         tsv = os.path.join(tmp, "rows.tsv")
         args = [path, "--bench", "-b", str(b), "-H", str(h), "-n", str(n), "-d", str(d),

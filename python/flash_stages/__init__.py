@@ -280,19 +280,27 @@ def _run(fn, problem, buffers, device, what):
         raise RuntimeError(f"flash_stages: {what} failed: CUDA error {err}")
 
 
+# Stage 11's decode tile (DecodeKeys in its attention.cu): a forced chunk is whole tiles.
+_DECODE_TILE_KEYS = 64
+
+
 def _check_environment():
-    """The harness's variables (docs/conventions.md section 6) by its own rules: the library
-    would end the process on a bad value, as the programs exit 2; here it is an exception."""
-    def whole(name, low, high):  # strtoull/strtol's decimal forms: spaces, then a + sign
+    """The harness's variables (docs/conventions.md section 6), before any library call, by
+    the rules the programs apply where they read them: the library would end the process on a
+    bad value, as the programs exit 2; here it is an exception, whichever stage is called."""
+    def whole(name, low, high, step=1):  # strtoull/strtol's decimal forms: spaces, a + sign
         text = os.environ.get(name, "")
         digits = text.lstrip(" \t\n\v\f\r").removeprefix("+")
-        if text and not (re.fullmatch("[0-9]+", digits) and low <= int(digits) <= high):
-            raise FlashStagesError(f"{name} must be an integer in {low}..{high}, got {text!r}")
+        if text and not (re.fullmatch("[0-9]+", digits) and low <= int(digits) <= high and
+                         int(digits) % step == 0):
+            steps = f", a multiple of {step}" if step > 1 else ""
+            raise FlashStagesError(f"{name} must be an integer in {low}..{high}{steps}, "
+                                   f"got {text!r}")
     det = os.environ.get("ATTN_DETERMINISTIC", "")
     if det not in ("", "0", "1"):
         raise FlashStagesError(f"ATTN_DETERMINISTIC must be 0 or 1, got {det!r}")
     whole("ATTN_SHARED_MEMORY_LIMIT", 1, 2**64 - 1)
-    whole("ATTN_DECODE_CHUNK_KEYS", 1, _MAX_DIM)
+    whole("ATTN_DECODE_CHUNK_KEYS", 1, _MAX_DIM, _DECODE_TILE_KEYS)
 
 
 # Tagged only where this PyTorch has the tag (and so custom_op's `tags`, which came first).
@@ -304,6 +312,7 @@ _OP_OPTIONS = {"tags": _TAGS} if _TAGS else {}
                          **_OP_OPTIONS)
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage: str, causal: bool,
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_environment()  # before forward_workspace, which reads them at stage 11's decode
     lib = _LIBS[stage]
     q, k, v = (_in_kernel_layout(t) for t in (q, k, v))
     o = torch.empty_like(q)
@@ -313,7 +322,6 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage: str, c
     bufs = _library.Buffers(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
                             lse.data_ptr(), None, None, None, None,
                             ws.data_ptr() if ws.numel() else None)
-    _check_environment()
     last_call.clear()
     last_call.update(stage=stage, direction="forward", q=q.data_ptr(), k=k.data_ptr(),
                      v=v.data_ptr(), o=o.data_ptr(), lse=lse.data_ptr())
@@ -332,6 +340,7 @@ def _(q, k, v, stage, causal, scale):
 def _backward_op(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, lse: torch.Tensor, stage: str, causal: bool,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_environment()
     lib = _LIBS[stage]
     d_o, q, k, v, o = (_in_kernel_layout(t) for t in (d_o, q, k, v, o))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -340,7 +349,6 @@ def _backward_op(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     bufs = _library.Buffers(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
                             lse.data_ptr(), d_o.data_ptr(), dq.data_ptr(), dk.data_ptr(),
                             dv.data_ptr(), ws.data_ptr() if ws.numel() else None)
-    _check_environment()
     last_call.clear()
     last_call.update(stage=stage, direction="backward", q=q.data_ptr(), k=k.data_ptr(),
                      v=v.data_ptr(), d_o=d_o.data_ptr(), dq=dq.data_ptr(), dk=dk.data_ptr(),

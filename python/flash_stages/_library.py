@@ -45,12 +45,20 @@ class Stage(ctypes.Structure):
                 ("has_cache_lens", ctypes.c_int)]
 
 
+# The entry points' version this package calls (attn_library_abi in common/stage_library.cu).
+LIBRARY_ABI = 2
+
+
 class StageLibrary:
-    """One loaded stage: its descriptor's facts and its four entry points."""
+    """One loaded stage: its descriptor's facts and its entry points."""
 
     def __init__(self, path):
         self.path = path
         self.lib = ctypes.CDLL(path)
+        abi = getattr(self.lib, "attn_library_abi", None)  # None: built before it existed
+        if abi is None or abi() != LIBRARY_ABI:
+            raise ImportError(f"{path} was built from an older common/stage_library.cu; rebuild "
+                              "the libraries: cmake --build build --target python_package")
         self.lib.attn_library_stage.restype = ctypes.POINTER(Stage)
         for fn in ("attn_library_forward_workspace", "attn_library_backward_workspace"):
             getattr(self.lib, fn).restype = ctypes.c_size_t

@@ -339,17 +339,28 @@ def test_deterministic_mode_and_variable_agree(monkeypatch):
 @pytest.mark.parametrize("name,value", [("ATTN_DETERMINISTIC", "yes"),
                                         ("ATTN_SHARED_MEMORY_LIMIT", "96k"),
                                         ("ATTN_SHARED_MEMORY_LIMIT", "0"),
-                                        ("ATTN_DECODE_CHUNK_KEYS", "-4")])
+                                        ("ATTN_SHARED_MEMORY_LIMIT", " -5"),
+                                        ("ATTN_DECODE_CHUNK_KEYS", "-4"),
+                                        ("ATTN_DECODE_CHUNK_KEYS", "100")])
 def test_bad_environment_is_an_error(monkeypatch, name, value):
     """A value the harness refuses (its programs exit 2) is an exception here, not the end of
-    the process; the same call runs once the variable is gone."""
+    the process, on the fastest stage's backward and on stage 11's decode path (whose
+    workspace size already reads the variables); the same calls run once it is gone."""
     stage = fastest_half()
     q, k, v, d_o = inputs((1, 2, 64, 64, 64, False), torch.float16)
+    calls = [lambda: run_stage(stage, q, k, v, d_o, False)]
+    if "11_split_kv_decode" in fs.stages():
+        qd, kd, vd, _ = inputs(GQA_SHAPES[0], torch.float16)  # Nq = 1: the decode path
+        kd, vd = kd[:, :2].contiguous(), vd[:, :2].contiguous()
+        calls.append(lambda: fs.scaled_dot_product_attention(
+            qd, kd, vd, is_causal=True, enable_gqa=True, stage="11_split_kv_decode"))
     monkeypatch.setenv(name, value)
-    with pytest.raises(fs.FlashStagesError, match=name):
-        run_stage(stage, q, k, v, d_o, False)
+    for call in calls:
+        with pytest.raises(fs.FlashStagesError, match=name):
+            call()
     monkeypatch.delenv(name)
-    run_stage(stage, q, k, v, d_o, False)
+    for call in calls:
+        call()
 
 
 def test_errors_are_clear():
@@ -415,8 +426,8 @@ def test_fallback_says_so_once_and_keeps_the_alignment():
     want = torch.nn.functional.scaled_dot_product_attention(q, k, k, attn_mask=keep)
     assert torch.allclose(got, want, atol=2e-3, equal_nan=True)
     # Dropout, which no stage takes, goes to SDPA with the stages' bottom-right alignment:
-    # the same result as SDPA given that mask (the same drops, the same seed), not as SDPA's
-    # top-left is_causal.
+    # the same bits as SDPA given that mask (the same kernel, seed and drops; SDPA's top-left
+    # is_causal would run another kernel with other drops).
     qs, ks = q[:, :, :30], k  # Nq < Nkv: top-left would hide keys bottom-right shows
     torch.manual_seed(7)
     got = fs.scaled_dot_product_attention(qs, ks, ks, is_causal=True, dropout_p=0.3,
@@ -424,11 +435,7 @@ def test_fallback_says_so_once_and_keeps_the_alignment():
     torch.manual_seed(7)
     want = torch.nn.functional.scaled_dot_product_attention(
         qs, ks, ks, attn_mask=causal_lower_right(30, 60), dropout_p=0.3)
-    torch.manual_seed(7)
-    top_left = torch.nn.functional.scaled_dot_product_attention(qs, ks, ks, is_causal=True,
-                                                                dropout_p=0.3)
-    assert torch.allclose(got, want, atol=2e-3)
-    assert not torch.allclose(got, top_left, atol=2e-3)
+    assert torch.equal(got, want)
     # CPU tensors, which no stage takes, go to SDPA too.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
