@@ -12,6 +12,7 @@
 #ifndef ATTENTION_H
 #define ATTENTION_H
 
+#include <setjmp.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -149,11 +150,17 @@ float attn_round_to_dtype(float x, attn_dtype t);
 
 /* ---- small utilities ------------------------------------------------------------------ */
 
-/* Print "stage: message" and attn_failure_note to stderr and exit with `code`. */
+/* Print "stage: message" and attn_failure_note to stderr and exit with `code`; or, on a
+ * thread that set a return point (attn_fail_return_to), keep the line for attn_last_failure
+ * and longjmp there with `code`: a stage library's caller gets an error, not the end of its
+ * process. */
 #if defined(__GNUC__)
 __attribute__((noreturn, format(printf, 2, 3)))
 #endif
 void attn_fail(int code, const char *fmt, ...);
+void attn_fail_return_to(jmp_buf *target);             /* NULL: exit again */
+const char *attn_last_failure(void);                   /* this thread's last line kept, or "" */
+int attn_last_failure_code(void);                      /* and its exit code (0 if none) */
 void *attn_host_alloc(size_t bytes, const char *what); /* exits 2 when the host has no room */
 /* Ends every failure line once the inputs exist: " (seed S)" for generated inputs, so that
  * any failing run, a CUDA error included, says how to repeat it; empty before, and for --load. */

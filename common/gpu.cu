@@ -16,11 +16,8 @@ extern "C" const char *attn_program_name;
 void attn_cuda_check(cudaError_t err, const char *what, const char *file, int line) {
   if (err == cudaSuccess) return;
   int code = err == cudaErrorMemoryAllocation ? EXIT_BAD_USAGE : EXIT_CHECK_FAILED;
-  fprintf(stderr, "%s: CUDA error in %s (%s:%d): %s%s%s\n", attn_program_name, what, file, line,
-          cudaGetErrorString(err),
-          code == EXIT_BAD_USAGE ? " (the problem is too large for device memory)" : "",
-          attn_failure_note);
-  exit(code);
+  attn_fail(code, "CUDA error in %s (%s:%d): %s%s", what, file, line, cudaGetErrorString(err),
+            code == EXIT_BAD_USAGE ? " (the problem is too large for device memory)" : "");
 }
 
 size_t attn_shared_memory_limit(void) {

@@ -50,10 +50,30 @@ const char *attn_dtype_name(attn_dtype t) {
 const char *attn_program_name = "attention";
 char attn_failure_note[ATTN_FAILURE_NOTE_BYTES] = "";
 
+/* Per thread: PyTorch runs backward passes on threads of its own. */
+static _Thread_local jmp_buf *fail_target;
+static _Thread_local char fail_line[4096];
+static _Thread_local int fail_code;
+
+void attn_fail_return_to(jmp_buf *target) { fail_target = target; }
+const char *attn_last_failure(void) { return fail_line; }
+int attn_last_failure_code(void) { return fail_code; }
+
 void attn_fail(int code, const char *fmt, ...) {
   va_list ap;
-  fprintf(stderr, "%s: ", attn_program_name);
   va_start(ap, fmt);
+  if (fail_target) {
+    jmp_buf *target = fail_target;
+    fail_target = NULL; /* one jump a return point: its frame returns next */
+    fail_code = code;
+    int n = snprintf(fail_line, sizeof fail_line, "%s: ", attn_program_name);
+    n += vsnprintf(fail_line + n, sizeof fail_line - n, fmt, ap);
+    if (n < (int)sizeof fail_line)
+      snprintf(fail_line + n, sizeof fail_line - n, "%s", attn_failure_note);
+    va_end(ap);
+    longjmp(*target, code);
+  }
+  fprintf(stderr, "%s: ", attn_program_name);
   vfprintf(stderr, fmt, ap);
   va_end(ap);
   fprintf(stderr, "%s\n", attn_failure_note);

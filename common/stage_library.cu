@@ -19,10 +19,11 @@
 
 extern "C" const char *attn_program_name;
 
-/* The version of these entry points, which python/flash_stages/_library.py checks: 2 since
- * attn_library_backward takes `deterministic`. A library built before would ignore that
- * argument, so the package refuses one without this function or with another version. */
-extern "C" int attn_library_abi(void) { return 2; }
+/* The version of these entry points, which python/flash_stages/_library.py checks: 3 since
+ * the passes return the harness's exit code and attn_library_error says why (2: since
+ * attn_library_backward takes `deterministic`). A library of another version would be
+ * misread, so the package refuses one without this function or with another version. */
+extern "C" int attn_library_abi(void) { return 3; }
 
 /* The stage's descriptor: name, idea, head dims, dtypes, causal and backward support. The
  * program name is set here, once, so that the harness's error lines name the stage. */
@@ -42,23 +43,40 @@ extern "C" size_t attn_library_backward_workspace(const attn_problem *p) {
 
 /* The passes, launched on `stream` (PyTorch's current stream, a cudaStream_t; 0 is the
  * legacy default stream, as in the stage program). Every launch inside is checked by the
- * stage; a CUDA error there ends the process with the harness's one line, as it ends the
- * program. Returns cudaGetLastError() after the launches, 0 when all is well. */
-extern "C" int attn_library_forward(const attn_problem *p, const attn_buffers *t, void *stream) {
-  attn_set_stream((cudaStream_t)stream);
-  stage.forward(p, t);
+ * stage. Where the program would exit, the pass returns its exit code instead (2: a problem
+ * this device cannot run, such as tiles past its shared memory; 1: a CUDA error) and
+ * attn_library_error() holds the line the program would print; 0 when all is well. A CUDA
+ * error that poisons the context (an illegal address) still leaves it unusable. */
+/* Both ways out of a pass, so that the next call on this thread starts clean. */
+static int end_pass(int code) {
+  attn_fail_return_to(NULL);
+  attn_set_deterministic(0);
   attn_set_stream(0);
-  return (int)cudaGetLastError();
+  return code;
+}
+
+static int run_pass(attn_pass_fn pass, const char *name, const attn_problem *p,
+                    const attn_buffers *t, void *stream, int deterministic) {
+  jmp_buf failed;
+  if (setjmp(failed) != 0) return end_pass(attn_last_failure_code());
+  attn_fail_return_to(&failed);
+  if (!pass) attn_fail(EXIT_BAD_USAGE, "this stage has no %s pass", name);
+  attn_set_stream((cudaStream_t)stream);
+  attn_set_deterministic(deterministic);
+  pass(p, t);
+  CUDA_CHECK(cudaGetLastError());
+  return end_pass(EXIT_OK);
+}
+
+extern "C" int attn_library_forward(const attn_problem *p, const attn_buffers *t, void *stream) {
+  return run_pass(stage.forward, "forward", p, t, stream, 0);
 }
 /* deterministic: nonzero takes the deterministic path where the stage has one, as
  * ATTN_DETERMINISTIC=1 does, without touching the environment. */
 extern "C" int attn_library_backward(const attn_problem *p, const attn_buffers *t, void *stream,
                                      int deterministic) {
-  if (!stage.backward) return -1;
-  attn_set_stream((cudaStream_t)stream);
-  attn_set_deterministic(deterministic);
-  stage.backward(p, t);
-  attn_set_deterministic(0);
-  attn_set_stream(0);
-  return (int)cudaGetLastError();
+  return run_pass(stage.backward, "backward", p, t, stream, deterministic);
 }
+
+/* The line of the last failed pass on this thread ("stage: why"), "" if none failed. */
+extern "C" const char *attn_library_error(void) { return attn_last_failure(); }

@@ -271,13 +271,17 @@ def _in_kernel_layout(t):
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _run(fn, problem, buffers, device, what):
+def _run(lib, fn, problem, buffers, device, what):
     """Runs a pass on PyTorch's current stream of `device`, with `device` current: the
     stages launch on the current device, which need not be the tensors'."""
     with torch.cuda.device(device):
-        err = fn(problem, buffers, torch.cuda.current_stream(device).cuda_stream)
-    if err != 0:
-        raise RuntimeError(f"flash_stages: {what} failed: CUDA error {err}")
+        code = fn(problem, buffers, torch.cuda.current_stream(device).cuda_stream)
+    if code == 0:
+        return
+    # Where the stage program would exit, the library returns its exit code and line: 2 for
+    # what this device cannot run (tiles past its shared memory, device memory), else 1.
+    why = f"{what} failed: {lib.error()}"
+    raise FlashStagesError(why) if code == 2 else RuntimeError(why)
 
 
 # Stage 11's decode tile (DecodeKeys in its attention.cu): a forced chunk is whole tiles.
@@ -286,8 +290,9 @@ _DECODE_TILE_KEYS = 64
 
 def _check_environment():
     """The harness's variables (docs/conventions.md section 6), before any library call, by
-    the rules the programs apply where they read them: the library would end the process on a
-    bad value, as the programs exit 2; here it is an exception, whichever stage is called."""
+    the rules the programs apply where they read them: a bad value is an exception here,
+    whichever stage is called, naming the variable. (Stage 11's workspace size reads them
+    outside a pass, where the library would end the process as the programs exit 2.)"""
     def whole(name, low, high, step=1):  # strtoull/strtol's decimal forms: spaces, a + sign
         text = os.environ.get(name, "")
         digits = text.lstrip(" \t\n\v\f\r").removeprefix("+")
@@ -325,7 +330,7 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage: str, c
     last_call.clear()
     last_call.update(stage=stage, direction="forward", q=q.data_ptr(), k=k.data_ptr(),
                      v=v.data_ptr(), o=o.data_ptr(), lse=lse.data_ptr())
-    _run(lib.forward, p, bufs, q.device, f"{stage} forward")
+    _run(lib, lib.forward, p, bufs, q.device, f"{stage} forward")
     return o, lse
 
 
@@ -356,7 +361,7 @@ def _backward_op(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     # torch's deterministic mode asks the stage for its deterministic dQ path (09-11), as
     # ATTN_DETERMINISTIC=1 in the environment does, which is left as the caller set it.
     deterministic = torch.are_deterministic_algorithms_enabled()
-    _run(lambda *a: lib.run_backward(*a, deterministic), p, bufs, q.device,
+    _run(lib, lambda *a: lib.run_backward(*a, deterministic), p, bufs, q.device,
          f"{stage} backward")
     return dq, dk, dv
 

@@ -46,7 +46,7 @@ class Stage(ctypes.Structure):
 
 
 # The entry points' version this package calls (attn_library_abi in common/stage_library.cu).
-LIBRARY_ABI = 2
+LIBRARY_ABI = 3
 
 
 class StageLibrary:
@@ -63,6 +63,7 @@ class StageLibrary:
         for fn in ("attn_library_forward_workspace", "attn_library_backward_workspace"):
             getattr(self.lib, fn).restype = ctypes.c_size_t
             getattr(self.lib, fn).argtypes = [ctypes.POINTER(Problem)]
+        self.lib.attn_library_error.restype = ctypes.c_char_p
         passes = {"attn_library_forward": [], "attn_library_backward": [ctypes.c_int]}
         for fn, extra in passes.items():  # the backward's extra: deterministic
             getattr(self.lib, fn).restype = ctypes.c_int
@@ -85,8 +86,14 @@ class StageLibrary:
     def backward_workspace(self, problem):
         return self.lib.attn_library_backward_workspace(ctypes.byref(problem))
 
+    def error(self):
+        """The line of this thread's last failed pass, as the stage program would print it."""
+        return self.lib.attn_library_error().decode(errors="replace")
+
     def forward(self, problem, buffers, stream):
-        """stream: a cudaStream_t as an integer (torch.cuda.Stream.cuda_stream)."""
+        """stream: a cudaStream_t as an integer (torch.cuda.Stream.cuda_stream). Returns the
+        stage program's exit code: 0, or 1 (a CUDA error) or 2 (what this device cannot run)
+        with error() saying why."""
         return self.lib.attn_library_forward(ctypes.byref(problem), ctypes.byref(buffers),
                                              stream)
 

@@ -363,6 +363,31 @@ def test_bad_environment_is_an_error(monkeypatch, name, value):
         call()
 
 
+@pytest.mark.parametrize("stage", HALF)
+def test_device_refusal_is_an_error(monkeypatch, stage):
+    """Where the stage program exits 2 inside a pass (here every tile needs more shared memory
+    than ATTN_SHARED_MEMORY_LIMIT allows), the call raises FlashStagesError with the program's
+    line and the process goes on: the same calls then run and give the same outputs."""
+    q, k, v, d_o = inputs((1, 2, 64, 64, 64, False), torch.float16)
+    want = run_stage(stage, q, k, v, d_o, False)
+    monkeypatch.setenv("ATTN_SHARED_MEMORY_LIMIT", "1024")
+    with pytest.raises(fs.FlashStagesError, match="forward failed: .*bytes of shared memory"):
+        run_stage(stage, q, k, v, d_o, False, backward=False)
+    monkeypatch.delenv("ATTN_SHARED_MEMORY_LIMIT")
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    o = fs.scaled_dot_product_attention(qg, kg, vg, stage=stage)
+    monkeypatch.setenv("ATTN_SHARED_MEMORY_LIMIT", "1024")
+    with pytest.raises(fs.FlashStagesError, match="backward failed: .*bytes of shared memory"):
+        torch.autograd.grad(o, (qg, kg, vg), d_o)
+    monkeypatch.delenv("ATTN_SHARED_MEMORY_LIMIT")
+    got = run_stage(stage, q, k, v, d_o, False)
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), want, got):
+        if stage in ATOMIC_DQ and name == "dQ":  # atomics: the last bit may differ
+            torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-4)
+        else:
+            assert torch.equal(a, b), f"{name} changed after the refusal"
+
+
 def test_errors_are_clear():
     stage = fastest_half()
     q, k, v, _ = inputs((1, 2, 64, 64, 64, False), torch.float16)
