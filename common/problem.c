@@ -66,9 +66,10 @@ void attn_fail(int code, const char *fmt, ...) {
     jmp_buf *target = fail_target;
     fail_target = NULL; /* one jump a return point: its frame returns next */
     fail_code = code;
-    int n = snprintf(fail_line, sizeof fail_line, "%s: ", attn_program_name);
-    n += vsnprintf(fail_line + n, sizeof fail_line - n, fmt, ap);
-    if (n < (int)sizeof fail_line)
+    /* A line past the buffer is cut short (snprintf returns the length it wanted). */
+    size_t n = (size_t)snprintf(fail_line, sizeof fail_line, "%s: ", attn_program_name);
+    if (n < sizeof fail_line) n += (size_t)vsnprintf(fail_line + n, sizeof fail_line - n, fmt, ap);
+    if (n < sizeof fail_line)
       snprintf(fail_line + n, sizeof fail_line - n, "%s", attn_failure_note);
     va_end(ap);
     longjmp(*target, code);

@@ -1,7 +1,7 @@
 /* One GPU stage as a shared library, for the Python package (python/flash_stages).
  *
  * The stage's own source file is compiled here unchanged: ATTN_STAGE_SOURCE names it, and its
- * main() is renamed so that the library has none. What the library adds is six C entry
+ * main() is renamed so that the library has none. What the library adds is seven C entry
  * points around the stage's descriptor, so that Python (ctypes) runs exactly the kernels the
  * stage program runs, on buffers PyTorch owns. The descriptor is read, not copied: the head
  * dims and dtypes Python accepts are the ones the program accepts.
@@ -20,7 +20,7 @@
 extern "C" const char *attn_program_name;
 
 /* The version of these entry points, which python/flash_stages/_library.py checks: 3 since
- * the passes return the harness's exit code and attn_library_error says why (2: since
+ * every call returns the harness's exit code and attn_library_error says why (2: since
  * attn_library_backward takes `deterministic`). A library of another version would be
  * misread, so the package refuses one without this function or with another version. */
 extern "C" int attn_library_abi(void) { return 3; }
@@ -32,40 +32,51 @@ extern "C" const attn_stage *attn_library_stage(void) {
   return &stage;
 }
 
-/* Bytes of device workspace the forward and the backward need for problem p (the caller
- * allocates them and passes them in t->workspace). */
-extern "C" size_t attn_library_forward_workspace(const attn_problem *p) {
-  return stage.forward_workspace ? stage.forward_workspace(p) : 0;
-}
-extern "C" size_t attn_library_backward_workspace(const attn_problem *p) {
-  return stage.backward_workspace ? stage.backward_workspace(p) : 0;
-}
-
-/* The passes, launched on `stream` (PyTorch's current stream, a cudaStream_t; 0 is the
- * legacy default stream, as in the stage program). Every launch inside is checked by the
- * stage. Where the program would exit, the pass returns its exit code instead (2: a problem
- * this device cannot run, such as tiles past its shared memory; 1: a CUDA error) and
- * attn_library_error() holds the line the program would print; 0 when all is well. A CUDA
+/* Every entry point below runs the stage with a return point set: where the program would
+ * exit, the call returns the program's exit code instead (2: a problem this device cannot run,
+ * such as tiles past its shared memory; 77: a stage built for another GPU; 1: a CUDA error)
+ * and attn_library_error() holds the line the program would print; 0 when all is well. A CUDA
  * error that poisons the context (an illegal address) still leaves it unusable. */
-/* Both ways out of a pass, so that the next call on this thread starts clean. */
-static int end_pass(int code) {
+
+/* Both ways out of a call, so that the next call on this thread starts clean. */
+static int end_call(int code) {
   attn_fail_return_to(NULL);
   attn_set_deterministic(0);
   attn_set_stream(0);
   return code;
 }
 
+/* *bytes: the device workspace the forward or the backward needs for problem p (the caller
+ * allocates it and passes it in t->workspace). Stage 11 plans its decode split here, from
+ * the current device's SMs and shared memory. */
+static int workspace(attn_workspace_fn fn, const attn_problem *p, size_t *bytes) {
+  jmp_buf failed;
+  if (setjmp(failed) != 0) return end_call(attn_last_failure_code());
+  attn_fail_return_to(&failed);
+  *bytes = fn ? fn(p) : 0;
+  return end_call(EXIT_OK);
+}
+extern "C" int attn_library_forward_workspace(const attn_problem *p, size_t *bytes) {
+  return workspace(stage.forward_workspace, p, bytes);
+}
+extern "C" int attn_library_backward_workspace(const attn_problem *p, size_t *bytes) {
+  return workspace(stage.backward_workspace, p, bytes);
+}
+
+/* The passes, launched on `stream` (PyTorch's current stream, a cudaStream_t; 0 is the
+ * legacy default stream, as in the stage program). Every launch inside is checked by the
+ * stage, and the last error once more here. */
 static int run_pass(attn_pass_fn pass, const char *name, const attn_problem *p,
                     const attn_buffers *t, void *stream, int deterministic) {
   jmp_buf failed;
-  if (setjmp(failed) != 0) return end_pass(attn_last_failure_code());
+  if (setjmp(failed) != 0) return end_call(attn_last_failure_code());
   attn_fail_return_to(&failed);
   if (!pass) attn_fail(EXIT_BAD_USAGE, "this stage has no %s pass", name);
   attn_set_stream((cudaStream_t)stream);
   attn_set_deterministic(deterministic);
   pass(p, t);
   CUDA_CHECK(cudaGetLastError());
-  return end_pass(EXIT_OK);
+  return end_call(EXIT_OK);
 }
 
 extern "C" int attn_library_forward(const attn_problem *p, const attn_buffers *t, void *stream) {
@@ -78,5 +89,5 @@ extern "C" int attn_library_backward(const attn_problem *p, const attn_buffers *
   return run_pass(stage.backward, "backward", p, t, stream, deterministic);
 }
 
-/* The line of the last failed pass on this thread ("stage: why"), "" if none failed. */
+/* The line of the last failed call on this thread ("stage: why"), "" if none failed. */
 extern "C" const char *attn_library_error(void) { return attn_last_failure(); }

@@ -179,11 +179,10 @@ def stage_call(torch, library, lib, q, k, v, scale):
     held = (lens_host, lens_dev, lse, ws)
 
     def call():
-        err = lib.forward(p, bufs, stream)
-        if err:
-            raise RuntimeError(f"{STAGE} forward: CUDA error {err} ({len(held)} buffers)")
+        lib.forward(p, bufs, stream)  # raises StageLibraryError with the program's line
         return o
 
+    call.held = held  # the buffers live as long as the call
     return call, ws_bytes, o
 
 

@@ -29,6 +29,7 @@ library sets around each call; the stage programs leave it at the legacy default
 CUDA graphs are not tried: the operators are tagged cudagraph_unsafe, since a stage's host
 code (shared-memory opt-in, the dQ buffer's memset) was not written with capture in mind.
 """
+import contextlib
 import math
 import os
 import re
@@ -67,7 +68,7 @@ _COMES_IN = {"causal": "05_causal", "backward": "06_backward", "half": "07_tenso
 
 
 class FlashStagesError(ValueError):
-    """The inputs are not something the chosen stage computes."""
+    """The inputs are not something the chosen stage computes, on this device."""
 
 
 class StageInfo:
@@ -271,17 +272,18 @@ def _in_kernel_layout(t):
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-def _run(lib, fn, problem, buffers, device, what):
-    """Runs a pass on PyTorch's current stream of `device`, with `device` current: the
-    stages launch on the current device, which need not be the tensors'."""
-    with torch.cuda.device(device):
-        code = fn(problem, buffers, torch.cuda.current_stream(device).cuda_stream)
-    if code == 0:
-        return
-    # Where the stage program would exit, the library returns its exit code and line: 2 for
-    # what this device cannot run (tiles past its shared memory, device memory), else 1.
-    why = f"{what} failed: {lib.error()}"
-    raise FlashStagesError(why) if code == 2 else RuntimeError(why)
+@contextlib.contextmanager
+def _on_device(device):
+    """Library calls with `device` current (the stages launch on the current device, and
+    stage 11 plans its decode split from it), their failures as exceptions: where the stage
+    program would exit, the library returns its exit code and line. 2 (what this device
+    cannot run: tiles past its shared memory) and 77 (a stage built for another GPU) raise
+    FlashStagesError, 1 (a CUDA error) RuntimeError."""
+    try:
+        with torch.cuda.device(device):
+            yield torch.cuda.current_stream(device).cuda_stream
+    except _library.StageLibraryError as e:
+        raise (FlashStagesError if e.code in (2, 77) else RuntimeError)(str(e)) from None
 
 
 # Stage 11's decode tile (DecodeKeys in its attention.cu): a forced chunk is whole tiles.
@@ -290,9 +292,9 @@ _DECODE_TILE_KEYS = 64
 
 def _check_environment():
     """The harness's variables (docs/conventions.md section 6), before any library call, by
-    the rules the programs apply where they read them: a bad value is an exception here,
-    whichever stage is called, naming the variable. (Stage 11's workspace size reads them
-    outside a pass, where the library would end the process as the programs exit 2.)"""
+    the rules the programs apply where they read them: a bad value is FlashStagesError naming
+    the variable, whichever stage is called (the library would say so only for a stage
+    that reads it)."""
     def whole(name, low, high, step=1):  # strtoull/strtol's decimal forms: spaces, a + sign
         text = os.environ.get(name, "")
         digits = text.lstrip(" \t\n\v\f\r").removeprefix("+")
@@ -323,14 +325,15 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage: str, c
     o = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     p = _problem(q, k, causal, scale)
-    ws = torch.empty(lib.forward_workspace(p), dtype=torch.uint8, device=q.device)
-    bufs = _library.Buffers(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
-                            lse.data_ptr(), None, None, None, None,
-                            ws.data_ptr() if ws.numel() else None)
-    last_call.clear()
-    last_call.update(stage=stage, direction="forward", q=q.data_ptr(), k=k.data_ptr(),
-                     v=v.data_ptr(), o=o.data_ptr(), lse=lse.data_ptr())
-    _run(lib, lib.forward, p, bufs, q.device, f"{stage} forward")
+    with _on_device(q.device) as stream:
+        ws = torch.empty(lib.forward_workspace(p), dtype=torch.uint8, device=q.device)
+        bufs = _library.Buffers(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
+                                lse.data_ptr(), None, None, None, None,
+                                ws.data_ptr() if ws.numel() else None)
+        last_call.clear()
+        last_call.update(stage=stage, direction="forward", q=q.data_ptr(), k=k.data_ptr(),
+                         v=v.data_ptr(), o=o.data_ptr(), lse=lse.data_ptr())
+        lib.forward(p, bufs, stream)
     return o, lse
 
 
@@ -350,19 +353,19 @@ def _backward_op(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     d_o, q, k, v, o = (_in_kernel_layout(t) for t in (d_o, q, k, v, o))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     p = _problem(q, k, causal, scale)
-    ws = torch.empty(lib.backward_workspace(p), dtype=torch.uint8, device=q.device)
-    bufs = _library.Buffers(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
-                            lse.data_ptr(), d_o.data_ptr(), dq.data_ptr(), dk.data_ptr(),
-                            dv.data_ptr(), ws.data_ptr() if ws.numel() else None)
-    last_call.clear()
-    last_call.update(stage=stage, direction="backward", q=q.data_ptr(), k=k.data_ptr(),
-                     v=v.data_ptr(), d_o=d_o.data_ptr(), dq=dq.data_ptr(), dk=dk.data_ptr(),
-                     dv=dv.data_ptr())
     # torch's deterministic mode asks the stage for its deterministic dQ path (09-11), as
     # ATTN_DETERMINISTIC=1 in the environment does, which is left as the caller set it.
     deterministic = torch.are_deterministic_algorithms_enabled()
-    _run(lib, lambda *a: lib.run_backward(*a, deterministic), p, bufs, q.device,
-         f"{stage} backward")
+    with _on_device(q.device) as stream:
+        ws = torch.empty(lib.backward_workspace(p), dtype=torch.uint8, device=q.device)
+        bufs = _library.Buffers(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
+                                lse.data_ptr(), d_o.data_ptr(), dq.data_ptr(), dk.data_ptr(),
+                                dv.data_ptr(), ws.data_ptr() if ws.numel() else None)
+        last_call.clear()
+        last_call.update(stage=stage, direction="backward", q=q.data_ptr(), k=k.data_ptr(),
+                         v=v.data_ptr(), d_o=d_o.data_ptr(), dq=dq.data_ptr(),
+                         dk=dk.data_ptr(), dv=dv.data_ptr())
+        lib.run_backward(p, bufs, stream, deterministic)
     return dq, dk, dv
 
 

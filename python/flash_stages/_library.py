@@ -45,6 +45,16 @@ class Stage(ctypes.Structure):
                 ("has_cache_lens", ctypes.c_int)]
 
 
+class StageLibraryError(RuntimeError):
+    """A call that the stage program would have ended with `code` (its exit status): 2 for
+    what this device cannot run, 77 for a stage built for another GPU, 1 for a CUDA error.
+    The message is the program's line."""
+
+    def __init__(self, code, message):
+        super().__init__(message)
+        self.code = code
+
+
 # The entry points' version this package calls (attn_library_abi in common/stage_library.cu).
 LIBRARY_ABI = 3
 
@@ -61,8 +71,9 @@ class StageLibrary:
                               "the libraries: cmake --build build --target python_package")
         self.lib.attn_library_stage.restype = ctypes.POINTER(Stage)
         for fn in ("attn_library_forward_workspace", "attn_library_backward_workspace"):
-            getattr(self.lib, fn).restype = ctypes.c_size_t
-            getattr(self.lib, fn).argtypes = [ctypes.POINTER(Problem)]
+            getattr(self.lib, fn).restype = ctypes.c_int
+            getattr(self.lib, fn).argtypes = [ctypes.POINTER(Problem),
+                                              ctypes.POINTER(ctypes.c_size_t)]
         self.lib.attn_library_error.restype = ctypes.c_char_p
         passes = {"attn_library_forward": [], "attn_library_backward": [ctypes.c_int]}
         for fn, extra in passes.items():  # the backward's extra: deterministic
@@ -80,27 +91,40 @@ class StageLibrary:
         self.backward = bool(s.backward)
         self.gqa = bool(s.has_gqa)
 
-    def forward_workspace(self, problem):
-        return self.lib.attn_library_forward_workspace(ctypes.byref(problem))
-
-    def backward_workspace(self, problem):
-        return self.lib.attn_library_backward_workspace(ctypes.byref(problem))
-
     def error(self):
-        """The line of this thread's last failed pass, as the stage program would print it."""
+        """The line of this thread's last failed call, as the stage program would print it."""
         return self.lib.attn_library_error().decode(errors="replace")
 
+    def _checked(self, code, what):
+        if code != 0:
+            raise StageLibraryError(code, f"{self.error()} (in the {what})")
+
+    def forward_workspace(self, problem):
+        """Bytes of device workspace the forward needs (stage 11 plans its decode split from
+        the current device)."""
+        size = ctypes.c_size_t()
+        self._checked(self.lib.attn_library_forward_workspace(ctypes.byref(problem),
+                                                               ctypes.byref(size)),
+                      "forward workspace")
+        return size.value
+
+    def backward_workspace(self, problem):
+        size = ctypes.c_size_t()
+        self._checked(self.lib.attn_library_backward_workspace(ctypes.byref(problem),
+                                                                ctypes.byref(size)),
+                      "backward workspace")
+        return size.value
+
     def forward(self, problem, buffers, stream):
-        """stream: a cudaStream_t as an integer (torch.cuda.Stream.cuda_stream). Returns the
-        stage program's exit code: 0, or 1 (a CUDA error) or 2 (what this device cannot run)
-        with error() saying why."""
-        return self.lib.attn_library_forward(ctypes.byref(problem), ctypes.byref(buffers),
-                                             stream)
+        """stream: a cudaStream_t as an integer (torch.cuda.Stream.cuda_stream)."""
+        self._checked(self.lib.attn_library_forward(ctypes.byref(problem), ctypes.byref(buffers),
+                                                    stream), "forward")
 
     def run_backward(self, problem, buffers, stream, deterministic=False):
         """deterministic: the stage's deterministic path, as ATTN_DETERMINISTIC=1 gives."""
-        return self.lib.attn_library_backward(ctypes.byref(problem), ctypes.byref(buffers),
-                                              stream, int(deterministic))
+        self._checked(self.lib.attn_library_backward(ctypes.byref(problem), ctypes.byref(buffers),
+                                                     stream, int(deterministic)),
+                      "backward")
 
 
 def library_dirs():

@@ -371,13 +371,13 @@ def test_device_refusal_is_an_error(monkeypatch, stage):
     q, k, v, d_o = inputs((1, 2, 64, 64, 64, False), torch.float16)
     want = run_stage(stage, q, k, v, d_o, False)
     monkeypatch.setenv("ATTN_SHARED_MEMORY_LIMIT", "1024")
-    with pytest.raises(fs.FlashStagesError, match="forward failed: .*bytes of shared memory"):
+    with pytest.raises(fs.FlashStagesError, match=r"bytes of shared memory.*\(in the forward\)"):
         run_stage(stage, q, k, v, d_o, False, backward=False)
     monkeypatch.delenv("ATTN_SHARED_MEMORY_LIMIT")
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
     o = fs.scaled_dot_product_attention(qg, kg, vg, stage=stage)
     monkeypatch.setenv("ATTN_SHARED_MEMORY_LIMIT", "1024")
-    with pytest.raises(fs.FlashStagesError, match="backward failed: .*bytes of shared memory"):
+    with pytest.raises(fs.FlashStagesError, match=r"bytes of shared memory.*\(in the backward\)"):
         torch.autograd.grad(o, (qg, kg, vg), d_o)
     monkeypatch.delenv("ATTN_SHARED_MEMORY_LIMIT")
     got = run_stage(stage, q, k, v, d_o, False)
@@ -386,6 +386,26 @@ def test_device_refusal_is_an_error(monkeypatch, stage):
             torch.testing.assert_close(a, b, rtol=2e-3, atol=1e-4)
         else:
             assert torch.equal(a, b), f"{name} changed after the refusal"
+
+
+def test_decode_refusal_is_an_error(monkeypatch):
+    """Stage 11 plans its decode split (and checks its tiles' shared memory) when asked for
+    the workspace size, before the pass: a refusal there is an exception too."""
+    if "11_split_kv_decode" not in fs.stages():
+        pytest.skip("stage 11 not loaded")
+    q, k, v, _ = inputs(GQA_SHAPES[0], torch.float16)  # Nq = 1: the decode path
+    k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+
+    def call():
+        return fs.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                               stage="11_split_kv_decode")
+    want = call()
+    monkeypatch.setenv("ATTN_SHARED_MEMORY_LIMIT", "1024")
+    with pytest.raises(fs.FlashStagesError,
+                       match=r"bytes of shared memory.*\(in the forward workspace\)"):
+        call()
+    monkeypatch.delenv("ATTN_SHARED_MEMORY_LIMIT")
+    assert torch.equal(call(), want), "O changed after the refusal"
 
 
 def test_errors_are_clear():
