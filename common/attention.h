@@ -166,6 +166,8 @@ void *attn_host_alloc(size_t bytes, const char *what); /* exits 2 when the host 
  * any failing run, a CUDA error included, says how to repeat it; empty before, and for --load. */
 enum { ATTN_FAILURE_NOTE_BYTES = 32 };
 extern char attn_failure_note[ATTN_FAILURE_NOTE_BYTES];
+/* Begins every failure line: the stage's name (runner.c and the stage libraries set it). */
+extern const char *attn_program_name;
 
 #ifdef __cplusplus
 }

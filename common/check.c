@@ -7,8 +7,6 @@
 #include "check.h"
 #include "reference.h"
 
-extern const char *attn_program_name;
-
 /* Above this many multiply-adds the reference checks a sample of rows, not every row
  * (about 2 s in double on one core). The tests stay under it: they check every row. */
 #define FULL_CHECK_MAX_MACS 2147483648.0

@@ -11,8 +11,6 @@
 #include "device.h"
 #include "gpu.h"
 
-extern "C" const char *attn_program_name;
-
 void attn_cuda_check(cudaError_t err, const char *what, const char *file, int line) {
   if (err == cudaSuccess) return;
   int code = err == cudaErrorMemoryAllocation ? EXIT_BAD_USAGE : EXIT_CHECK_FAILED;

@@ -22,8 +22,6 @@
 #include "device.h"
 #include "npy.h"
 
-extern const char *attn_program_name;
-
 /* The default problem: small enough that stage 00 and the float64 reference finish in a
  * blink on a laptop, large enough that every stage runs several tiles. */
 enum { DEFAULT_BATCH = 1, DEFAULT_HEADS = 4, DEFAULT_SEQ = 512, DEFAULT_DIM = 64 };

@@ -17,8 +17,6 @@
 #include ATTN_STAGE_SOURCE
 #undef main
 
-extern "C" const char *attn_program_name;
-
 /* The version of these entry points, which python/flash_stages/_library.py checks: 3 since
  * every call returns the harness's exit code and attn_library_error says why (2: since
  * attn_library_backward takes `deterministic`). A library of another version would be

@@ -9,8 +9,6 @@
 #include "attention.h"
 #include "expect.h"
 
-extern const char *attn_program_name; /* common/problem.c */
-
 int main(void) {
   jmp_buf back;
   attn_program_name = "test_fail_return";
