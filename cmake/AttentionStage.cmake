@@ -110,6 +110,10 @@ function(attention_stage name source)
                                ATTN_STAGE_SOURCE="${CMAKE_CURRENT_SOURCE_DIR}/${source}")
     target_compile_options(attn_${name} PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-lineinfo>)
     target_link_libraries(attn_${name} PRIVATE attn_gpu)
+    target_link_options(attn_${name} PRIVATE
+                        "LINKER:--version-script=${CMAKE_SOURCE_DIR}/cmake/stage_library.map")
+    set_property(TARGET attn_${name} APPEND PROPERTY LINK_DEPENDS
+                                                    ${CMAKE_SOURCE_DIR}/cmake/stage_library.map)
     set_target_properties(attn_${name} PROPERTIES LIBRARY_OUTPUT_DIRECTORY
                                                    ${CMAKE_BINARY_DIR}/lib)
     set_property(GLOBAL APPEND PROPERTY ATTN_STAGE_LIBRARIES attn_${name})
