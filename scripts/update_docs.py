@@ -64,19 +64,25 @@ def results_table(root):
         lines.append(f"Other devices, each with its own rows and plots, not in this table: "
                      f"{links}.")
     lines += ["", f"Forward and backward TFLOP/s at N = {N}, non-causal (GPU: H = 2048/d, "
-              f"B = 16384/N; CPU: one head, d = 64); % of PyTorch's SDPA flash backend (fp16, "
-              f"same GPU: measured in one command with its rows where they name a `run`, "
-              f"otherwise the SDPA rows of their day, from another command); memory: CPU "
-              f"workspace at N = 8192, GPU device "
+              f"B = 16384/N; CPU: one head, d = 64); the forward as a percentage of PyTorch's "
+              f"SDPA backends on the same GPU, measured in one command with the stage's rows "
+              f"where they name a `run`, otherwise the SDPA rows of their day, from another "
+              f"command: the half-precision stages of `flash` (FlashAttention-2) and `cudnn` "
+              f"in fp16, the fp32 ones of `efficient` in fp32 (flash and cuDNN have no fp32); "
+              f"memory: CPU workspace at N = 8192, GPU device "
               f"memory of a forward run at N = 8192 (B = 1, H = 32, d = 64; inputs, outputs "
               f"and workspace).", "",
               "| stage | idea | dtype | fwd d=64 | fwd d=128 | bwd d=64 | bwd d=128 "
-              "| % of SDPA flash (fwd d=64 / d=128) | memory |",
+              "| % of SDPA, fwd d=64 / d=128 | memory |",
               "|---|---|---|---|---|---|---|---|---|"]
-    # A stage's row is compared with SDPA flash measured in the same run (attn.run_of).
-    flash = {(d, run): pick([r for r in gpu if attn.run_of(r) == run], stage="sdpa_flash",
-                            dtype="fp16", direction="fwd", Nq=N, d=d, causal="0")
-             for d in ("64", "128") for run in {attn.run_of(r) for r in gpu}}
+    # A stage's row is compared with SDPA measured in the same run (attn.run_of): the peers of
+    # its precision.
+    runs_all = {attn.run_of(r) for r in gpu}
+    peers = {(name, dtype, d, run): pick([r for r in gpu if attn.run_of(r) == run],
+                                         stage=f"sdpa_{name}", dtype=dtype, direction="fwd",
+                                         Nq=N, d=d, causal="0")
+             for name, dtype in (("flash", "fp16"), ("cudnn", "fp16"), ("efficient", "fp32"))
+             for d in ("64", "128") for run in runs_all}
 
     def tf(r):
         if not r:
@@ -98,12 +104,18 @@ def results_table(root):
                         where["B"] = str(16384 // int(N))
                     # A point measured in several runs: its latest row, as the plots draw.
                     cells[direction, d] = pick(attn.latest(rows), **where)
-            pct = []
-            for d in ("64", "128"):
-                r = cells["fwd", d]
-                f = flash.get((d, attn.run_of(r))) if r else None
-                pct.append(f"{100 * float(r['tflops']) / float(f['tflops']):.1f}%"
-                           if r and f and kind_rows is gpu else "-")
+            ratios = []
+            names = ("efficient",) if dtype == "fp32" else ("flash", "cudnn")
+            for name in names if kind_rows is gpu else ():
+                pct = []
+                for d in ("64", "128"):
+                    r = cells["fwd", d]
+                    f = peers.get((name, "fp32" if dtype == "fp32" else "fp16", d,
+                                   attn.run_of(r))) if r else None
+                    pct.append(f"{100 * float(r['tflops']) / float(f['tflops']):.1f}%"
+                               if r and f else "-")
+                if pct != ["-", "-"]:
+                    ratios.append(f"{name} {' / '.join(pct)}")
             if kind_rows is cpu:
                 m = pick(rows, direction="fwd", Nq="8192", d="64")
                 memory = f"{human_bytes(int(m['workspace_bytes']))} workspace" if m else "-"
@@ -115,10 +127,12 @@ def results_table(root):
             lines.append(f"| {name} | {idea_of(root, stage)}"
                          f" | {dtype} | {tf(cells['fwd', '64'])} | {tf(cells['fwd', '128'])} "
                          f"| {tf(cells['bwd', '64'])} | {tf(cells['bwd', '128'])} "
-                         f"| {' / '.join(pct)} | {memory} |")
+                         f"| {'; '.join(ratios) or '-'} | {memory} |")
     runs = sorted({attn.run_of(r) for r in gpu if r["stage"].startswith("sdpa_")})
-    for name, run in ((name, run) for name in ("flash", "cudnn", "efficient") for run in runs):
-        rows = [r for r in gpu if r["stage"] == f"sdpa_{name}" and r["dtype"] == "fp16"
+    peer_rows = (("flash", "fp16"), ("cudnn", "fp16"), ("efficient", "fp16"),
+                 ("efficient", "fp32"))
+    for name, dtype, run in ((n, t, run) for n, t in peer_rows for run in runs):
+        rows = [r for r in gpu if r["stage"] == f"sdpa_{name}" and r["dtype"] == dtype
                 and attn.run_of(r) == run]
         if not rows:
             continue
@@ -127,7 +141,7 @@ def results_table(root):
         if not any(c.values()):
             continue  # a run of other sequence lengths only
         when = (f", {run[0]}" + (f" ({run[1]})" if run[1] else "")) if len(runs) > 1 else ""
-        lines.append(f"| PyTorch SDPA `{name}`{when} | reference | fp16 | {tf(c['fwd', '64'])} "
+        lines.append(f"| PyTorch SDPA `{name}`{when} | reference | {dtype} | {tf(c['fwd', '64'])} "
                      f"| {tf(c['fwd', '128'])} | {tf(c['bwd', '64'])} | {tf(c['bwd', '128'])} "
                      f"| | |")
     return "\n".join(lines)
