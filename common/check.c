@@ -41,8 +41,10 @@ static double *widen(const float *x, size_t n) {
  * happens to be exact (twice the worst error of one round trip through x + 0.3 in the
  * dtype); O also has a hard cap, so that a broken baseline cannot excuse a broken stage. */
 enum { M_OUTPUT = 2, M_DKDV = 3, M_DQ = 4 };
-/* The hard cap on O, per unit of max(1, max|V|) (O is a weighted mean of V rows, so its
- * rounding error grows with them; the caps are FlashAttention's for unit-normal inputs). */
+/* The hard cap on O, per unit of max(1, max|V|): O is a weighted mean of V rows, so it reaches
+ * max|V| (O = V_0 at Nkv = 1) and its own rounding grows with it; at |O| = 4 rounding to bf16
+ * alone costs up to 0.016, so a cap fixed at 2e-2 would leave a correct bf16 stage no room on
+ * unit-normal inputs, whose max|V| is about 4-5. */
 #define O_CAP_FP16 4e-3
 #define O_CAP_BF16 2e-2
 /* The fp32 rule's base for LSE, which every stage computes in fp32. */
