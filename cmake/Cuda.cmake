@@ -4,31 +4,48 @@ if(ATTN_ENABLE_CUDA)
   include(CheckLanguage)
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
-    # The GPU that is present, else A100 and H100 (CMake's "native" fails where no GPU is
-    # present, so detect first). A user's -DCMAKE_CUDA_ARCHITECTURES=... always wins.
-    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+    # The GPUs that are present (each kind once), else A100 and H100 (CMake's "native" fails
+    # where no GPU is present, so detect first). A user's -DCMAKE_CUDA_ARCHITECTURES=..., or
+    # the CUDAARCHS environment variable that CMake reads in its place, always wins.
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES AND NOT DEFINED ENV{CUDAARCHS})
       set(detected "")
+      set(too_old "")
       find_program(NVIDIA_SMI nvidia-smi)
       if(NVIDIA_SMI)
         execute_process(COMMAND ${NVIDIA_SMI} --query-gpu=compute_cap --format=csv,noheader
                         OUTPUT_VARIABLE caps RESULT_VARIABLE rc ERROR_QUIET
                         OUTPUT_STRIP_TRAILING_WHITESPACE)
-        if(rc EQUAL 0 AND caps MATCHES "^([0-9]+)\\.([0-9]+)")
-          set(detected "${CMAKE_MATCH_1}${CMAKE_MATCH_2}")
+        if(rc EQUAL 0)
+          string(REPLACE "\n" ";" caps "${caps}")
+          foreach(cap ${caps})
+            if(cap MATCHES "^ *([0-9]+)\\.([0-9]+)")
+              set(arch "${CMAKE_MATCH_1}${CMAKE_MATCH_2}")
+              # The stages need compute capability 8.0 (07 does not even compile for less).
+              if(arch LESS 80)
+                list(APPEND too_old sm_${arch})
+              else()
+                list(APPEND detected ${arch})
+              endif()
+            endif()
+          endforeach()
+          list(REMOVE_DUPLICATES detected)
+          list(SORT detected COMPARE NATURAL)
+          list(REMOVE_DUPLICATES too_old)
         endif()
       endif()
-      if(detected AND detected LESS 80)
-        # The stages need compute capability 8.0 (07 does not even compile for less): build
-        # as for a machine without a GPU; the GPU tests then show as skipped here.
-        set(CMAKE_CUDA_ARCHITECTURES "80;90" CACHE STRING "CUDA architectures")
-        message(STATUS "CUDA: the GPU present is sm_${detected}, older than the stages' 8.0; "
-                       "building for sm_80 and sm_90, and its GPU tests will be skipped")
-      elseif(detected)
-        set(CMAKE_CUDA_ARCHITECTURES ${detected} CACHE STRING "CUDA architectures")
-        message(STATUS "CUDA: building for the GPU present (sm_${detected})")
+      if(too_old)
+        string(REPLACE ";" ", " names "${too_old}")
+        message(STATUS "CUDA: ${names} present, older than the stages' 8.0: not built for; "
+                       "tests on such a GPU are skipped")
+      endif()
+      if(detected)
+        set(CMAKE_CUDA_ARCHITECTURES "${detected}" CACHE STRING "CUDA architectures")
+        string(REPLACE ";" ", sm_" names "${detected}")
+        message(STATUS "CUDA: building for the GPUs present (sm_${names})")
       else()
         set(CMAKE_CUDA_ARCHITECTURES "80;90" CACHE STRING "CUDA architectures")
-        message(STATUS "CUDA: no GPU detected, building for sm_80 and sm_90")
+        message(STATUS "CUDA: no GPU of compute capability 8.0 or later detected, building "
+                       "for sm_80 and sm_90")
       endif()
     endif()
     enable_language(CUDA)

@@ -65,7 +65,7 @@ static void usage(const attn_stage *s) {
       "                     valid keys (Nkv is the cache's capacity), causal is bottom-right\n"
       "                     against L_b, and Nq is 1 unless --seq-q says otherwise\n"
       "      --check        compare with the float64 reference, exit 1 on a mismatch\n"
-      "                     (on by default unless --bench is given)\n"
+      "                     (on by default unless --bench or --check-finite is given)\n"
       "      --check-finite only check that every output is finite, LSE -inf exactly on\n"
       "                     rows that see no key (for inputs beyond fp32's precision)\n"
       "      --bench        warm up, repeat, report the median time and TFLOP/s\n"

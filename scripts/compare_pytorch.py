@@ -17,6 +17,7 @@ import argparse
 import datetime
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,8 +59,9 @@ def timed_median(torch, fn, flush):
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+    # The stage programs' median (common/runner.c): of an even count, the mean of the two
+    # middle times.
+    return statistics.median(times)
 
 
 def flops(b, h, n, d, causal):

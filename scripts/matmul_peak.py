@@ -2,6 +2,7 @@
 """The fp16 and bf16 matrix-product ceiling of this GPU: PyTorch's 8192^3 matrix product
 (cuBLAS), 5 warm-ups, median of 20, timed with CUDA events. The stage READMEs quote it as
 "% of the measured matrix-product peak". Needs PyTorch and a CUDA GPU; says so otherwise."""
+import statistics
 import sys
 
 N, WARMUP, REPEATS = 8192, 5, 20
@@ -29,7 +30,7 @@ def main():
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
-        ms = sorted(times)[REPEATS // 2]
+        ms = statistics.median(times)
         print(f"{dt} matmul {N}^3: {ms:.3f} ms, {2 * N**3 / ms / 1e9:.0f} TFLOP/s "
               f"({torch.cuda.get_device_name()}, torch {torch.__version__}, "
               f"CUDA {torch.version.cuda})")
