@@ -25,7 +25,7 @@ set(ATTN_PAIRS 1,147 3,799 113,203 128,217 127,513 256,512 512,256 239,1 799,3 1
                1024,1023)
 set(ATTN_BATCH_HEADS 1,1 2,3 4,9)
 # Logits of magnitude 1e3 and more: a softmax scale of 100 (instead of 1/8 at d = 64) makes
-# max|S| about 3000 on unit-normal inputs.
+# max|S| about 3000 on unit-normal inputs; --inputs large-q reaches about 1e3 with Q scaled up.
 set(ATTN_LARGE_LOGIT_SCALE 100)
 
 function(attn_test stage case kind)
@@ -188,6 +188,12 @@ function(attention_stage name source)
       endforeach()
       attn_test(${name} hard.large_logits${m}${t} ${kind} ${common_args} ${c} ${bwd} -n 257 -d 64
                 --scale ${ATTN_LARGE_LOGIT_SCALE})
+      # The same magnitude reached the other way, Q scaled up (elements of about 1e3 in the
+      # dtype, raw Q K^T about 1e4 before the default scale), at the smallest and largest d.
+      foreach(d 32 128)
+        attn_test(${name} hard.large_q.d${d}${m}${t} ${kind} ${common_args} ${c} ${bwd} -n 257
+                  -d ${d} --inputs large-q)
+      endforeach()
       attn_test(${name} hard.const_v${m}${t} ${kind} ${common_args} ${c} ${bwd} -n 200 -d 64
                 --inputs const-v)
       attn_test(${name} hard.zero_q${m}${t} ${kind} ${common_args} ${c} ${bwd} -n 200 -d 64

@@ -29,7 +29,12 @@ enum { DEFAULT_SEED = 42 };
 /* No size beyond this: keeps every index product far from overflow. */
 enum { MAX_SIZE = 1 << 24 };
 
-typedef enum { PATTERN_RANDN, PATTERN_CONST_V, PATTERN_ZERO_Q } input_pattern;
+typedef enum { PATTERN_RANDN, PATTERN_CONST_V, PATTERN_ZERO_Q, PATTERN_LARGE_Q } input_pattern;
+/* --inputs large-q: Q times 2^8, a power of two, so that rounding Q to the dtype loses no more
+ * than it does unscaled, and small enough that Q stays in fp16's range (unit-normal elements
+ * reach about 5, times 256 is 1280 < 65504). Logits then reach about 1e3 at every d, since the
+ * default scale 1/sqrt(d) undoes the growth of q . k with d. */
+enum { LARGE_Q_FACTOR = 256 };
 
 typedef struct {
   attn_problem p;
@@ -77,6 +82,7 @@ static void usage(const attn_stage *s) {
       "      --tsv FILE     append one result row per pass (a header when FILE is new)\n"
       "      --inputs P     randn (default) | const-v (every V row the same: O = V)\n"
       "                     | zero-q (Q = 0: O = mean of the visible V rows)\n"
+      "                     | large-q (Q times 256: logits of about 1e3)\n"
       "      --input-scale X  multiply the random Q, K and V by X (large logits; not\n"
       "                     with --load)\n"
       "      --describe     one tab-separated line of what this stage supports\n"
@@ -278,8 +284,11 @@ static void parse_options(const attn_stage *s, int argc, char **argv, options *o
           o->pattern = PATTERN_CONST_V;
         else if (strcmp(v, "zero-q") == 0)
           o->pattern = PATTERN_ZERO_Q;
+        else if (strcmp(v, "large-q") == 0)
+          o->pattern = PATTERN_LARGE_Q;
         else
-          attn_fail(EXIT_BAD_USAGE, "--inputs must be randn, const-v or zero-q, got '%s'", v);
+          attn_fail(EXIT_BAD_USAGE, "--inputs must be randn, const-v, zero-q or large-q, got '%s'",
+                    v);
         break;
       case OPT_INPUT_SCALE:
         o->input_scale = parse_real("--input-scale", v);
@@ -434,6 +443,8 @@ static void apply_pattern(const options *o, host_inputs *in) {
   const attn_problem *p = &o->p;
   size_t d = (size_t)p->head_dim, nkv = (size_t)p->seq_kv;
   if (o->pattern == PATTERN_ZERO_Q) memset(in->q, 0, sizeof(float) * attn_q_elems(p));
+  if (o->pattern == PATTERN_LARGE_Q)
+    for (size_t e = 0; e < attn_q_elems(p); e++) in->q[e] *= LARGE_Q_FACTOR;
   if (o->pattern == PATTERN_CONST_V)
     for (size_t bh = 0; bh < (size_t)p->batch * attn_heads_kv(p); bh++)
       for (size_t j = 1; j < nkv; j++)
