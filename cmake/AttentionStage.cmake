@@ -377,6 +377,8 @@ function(attention_stage name source)
               ${CMAKE_CURRENT_BINARY_DIR}/no_such_dir)
   attn_expect(${name} bad.load_input_scale ${kind} 2 "--input-scale scales random inputs"
               --load ${CMAKE_CURRENT_BINARY_DIR}/no_such_dir --input-scale 2)
+  attn_expect(${name} bad.load_large_q ${kind} 2 "--inputs large-q scales random inputs"
+              --load ${CMAKE_CURRENT_BINARY_DIR}/no_such_dir --inputs large-q)
   if(NOT ARG_CAUSAL)
     attn_expect(${name} bad.causal ${kind} 2 "causal mask comes in 05_causal" --causal)
   endif()

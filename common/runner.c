@@ -308,6 +308,10 @@ static void parse_options(const attn_stage *s, int argc, char **argv, options *o
   if (o->load_dir && o->given_input_scale)
     attn_fail(EXIT_BAD_USAGE,
               "--input-scale scales random inputs, not loaded ones: scale the .npy files instead");
+  /* The same for large-q: a case saved with it holds the scaled Q already. */
+  if (o->load_dir && o->pattern == PATTERN_LARGE_Q)
+    attn_fail(EXIT_BAD_USAGE,
+              "--inputs large-q scales random inputs, not loaded ones: scale q.npy instead");
   /* Decode: one new query per sequence, unless --seq-q (or a loaded q.npy) says otherwise;
    * --seq then sets the cache's capacity. */
   if (o->cache_lens_text && !o->given_seq_q && !o->load_dir) o->p.seq_q = 1, o->given_seq_q = 1;

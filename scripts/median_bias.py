@@ -1,35 +1,67 @@
-"""python3 scripts/median_bias.py (needs PyTorch and a GPU): how far the upper middle of 20 sorted times (compare_pytorch's old median) sits above the
-mean of the two middle ones (the programs' median), for SDPA flash at FlashAttention's sizes."""
-import torch
-import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel, SDPBackend
-prop = torch.cuda.get_device_properties(0)
-flush = torch.empty(2 * prop.L2_cache_size, dtype=torch.uint8, device="cuda")
-print("device", torch.cuda.get_device_name(), "torch", torch.__version__, "cuda", torch.version.cuda)
-print("direction d N causal round upper_ms median_ms upper/median")
-worst = 0
-for d in (64, 128):
-    for n in (4096, 16384):
-        b, h = 16384 // n, 2048 // d
-        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(3))
-        do = torch.randn_like(q)
-        for causal in (False, True):
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                fwd = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                o = fwd()
-                bwd = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-                for name, fn in (("fwd", fwd), ("bwd", bwd)):
-                    for rnd in range(3):
-                        for _ in range(5):
-                            fn()
-                        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        t = []
-                        for _ in range(20):
-                            flush.zero_()
-                            s.record(); fn(); e.record(); torch.cuda.synchronize()
-                            t.append(s.elapsed_time(e))
-                        t.sort()
-                        up, med = t[10], 0.5 * (t[9] + t[10])
-                        worst = max(worst, up / med - 1)
-                        print(name, d, n, int(causal), rnd, f"{up:.4f} {med:.4f} {up / med:.5f}")
-print(f"largest upper/median - 1: {100 * worst:.3f}%")
+#!/usr/bin/env python3
+"""How far the upper middle of 20 sorted times (compare_pytorch.timed_median before commit
+8791871) sits above their median, the mean of the two middle ones (the stage programs'), for
+SDPA flash at FlashAttention's sizes: fp16, N = 4096 and 16384, d = 64 and 128, causal and
+not, forward and backward, three rounds of 20 after 5 warm-ups, the L2 flushed before each
+repeat. Prints TSV rows, then the largest excess. Needs PyTorch and a CUDA GPU.
+
+    python3 scripts/median_bias.py > bias.tsv
+"""
+import sys
+
+ROUNDS, WARMUPS, REPEATS = 3, 5, 20
+
+
+def main():
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        sys.exit("median_bias: needs PyTorch")
+    if not torch.cuda.is_available():
+        sys.exit("median_bias: needs a CUDA GPU")
+    prop = torch.cuda.get_device_properties(0)
+    flush = torch.empty(2 * prop.L2_cache_size, dtype=torch.uint8, device="cuda")
+    print(f"# device {torch.cuda.get_device_name()} torch {torch.__version__} "
+          f"cuda {torch.version.cuda}")
+    print("direction\td\tN\tcausal\tround\tupper_middle_ms\tmedian_ms\tupper_over_median")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    worst = 0.0
+    for d in (64, 128):
+        for n in (4096, 16384):
+            b, h = 16384 // n, 2048 // d
+            q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.float16,
+                                   requires_grad=True) for _ in range(3))
+            do = torch.randn_like(q)
+            for causal in (False, True):
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                    calls = (("fwd", lambda: F.scaled_dot_product_attention(
+                                 q, k, v, is_causal=causal)),
+                             ("bwd", lambda: torch.autograd.grad(o, (q, k, v), do,
+                                                                 retain_graph=True)))
+                    for name, fn in calls:
+                        for rnd in range(ROUNDS):
+                            for _ in range(WARMUPS):
+                                fn()
+                            times = []
+                            for _ in range(REPEATS):
+                                flush.zero_()
+                                start.record()
+                                fn()
+                                end.record()
+                                torch.cuda.synchronize()
+                                times.append(start.elapsed_time(end))
+                            times.sort()
+                            upper = times[REPEATS // 2]
+                            median = 0.5 * (times[REPEATS // 2 - 1] + times[REPEATS // 2])
+                            worst = max(worst, upper / median - 1)
+                            print(f"{name}\t{d}\t{n}\t{int(causal)}\t{rnd}\t{upper:.4f}\t"
+                                  f"{median:.4f}\t{upper / median:.5f}", flush=True)
+    print(f"# largest upper/median - 1: {100 * worst:.3f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -68,7 +68,8 @@ def results_table(root):
               f"SDPA backends on the same GPU, measured in one command with the stage's rows "
               f"where they name a `run`, otherwise the SDPA rows of their day, from another "
               f"command: the half-precision stages of `flash` (FlashAttention-2) and `cudnn` "
-              f"in fp16, the fp32 ones of `efficient` in fp32 (flash and cuDNN have no fp32); "
+              f"in fp16, the fp32 ones of `efficient` in fp32 (flash and cuDNN have no fp32); a dash "
+              f"where the stage's run timed no such backend; "
               f"memory: CPU workspace at N = 8192, GPU device "
               f"memory of a forward run at N = 8192 (B = 1, H = 32, d = 64; inputs, outputs "
               f"and workspace).", "",
@@ -114,8 +115,9 @@ def results_table(root):
                                    attn.run_of(r))) if r else None
                     pct.append(f"{100 * float(r['tflops']) / float(f['tflops']):.1f}%"
                                if r and f else "-")
-                if pct != ["-", "-"]:
-                    ratios.append(f"{name} {' / '.join(pct)}")
+                ratios.append(f"{name} {' / '.join(pct)}")
+            if all(r.endswith("- / -") for r in ratios):
+                ratios = []  # no peer in the stage's run at all
             if kind_rows is cpu:
                 m = pick(rows, direction="fwd", Nq="8192", d="64")
                 memory = f"{human_bytes(int(m['workspace_bytes']))} workspace" if m else "-"

@@ -11,10 +11,11 @@ ENTRY_POINTS = {"attn_library_abi", "attn_library_stage", "attn_library_forward_
                 "attn_library_backward_workspace", "attn_library_forward",
                 "attn_library_backward", "attn_library_error"}
 SHT_DYNSYM = 11
+EXPORTING_BINDINGS = (1, 2, 10)  # STB_GLOBAL, STB_WEAK, STB_GNU_UNIQUE (g++'s for some statics)
 
 
 def exported(path):
-    """The names of the global and weak symbols a 64-bit little-endian ELF file defines in its
+    """The names of the symbols a 64-bit little-endian ELF file defines and exports in its
     dynamic symbol table."""
     with open(path, "rb") as f:
         data = f.read()
@@ -31,7 +32,7 @@ def exported(path):
         strings = sections[link][4]
         for at in range(offset, offset + size, entsize):
             name, info, _, shndx = struct.unpack_from("<IBBH", data, at)
-            if shndx != 0 and info >> 4 in (1, 2):  # defined here; STB_GLOBAL or STB_WEAK
+            if shndx != 0 and info >> 4 in EXPORTING_BINDINGS:  # defined here, visible
                 end = data.index(b"\0", strings + name)
                 names.add(data[strings + name:end].decode())
     return names
