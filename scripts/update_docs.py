@@ -68,22 +68,23 @@ def results_table(root):
               f"SDPA backends on the same GPU, measured in one command with the stage's rows "
               f"where they name a `run`, otherwise the SDPA rows of their day, from another "
               f"command: the half-precision stages of `flash` (FlashAttention-2) and `cudnn` "
-              f"in fp16, the fp32 ones of `efficient` in fp32 (flash and cuDNN have no fp32); a dash "
-              f"where the stage's run timed no such backend; "
+              f"in fp16, the fp32 ones of `efficient` in fp32 (flash and cuDNN have no fp32); "
+              f"a dash where the stage's run timed no such backend; "
               f"memory: CPU workspace at N = 8192, GPU device "
               f"memory of a forward run at N = 8192 (B = 1, H = 32, d = 64; inputs, outputs "
               f"and workspace).", "",
               "| stage | idea | dtype | fwd d=64 | fwd d=128 | bwd d=64 | bwd d=128 "
               "| % of SDPA, fwd d=64 / d=128 | memory |",
               "|---|---|---|---|---|---|---|---|---|"]
-    # A stage's row is compared with SDPA measured in the same run (attn.run_of): the peers of
-    # its precision.
-    runs_all = {attn.run_of(r) for r in gpu}
+    # A stage's row is compared with SDPA measured in the same run (attn.run_of), the backends
+    # of its precision: SDPA's rows for (backend, dtype, d, run).
+    peers_of = {"fp32": (("efficient", "fp32"),)}
+    half_peers = (("flash", "fp16"), ("cudnn", "fp16"))
     peers = {(name, dtype, d, run): pick([r for r in gpu if attn.run_of(r) == run],
                                          stage=f"sdpa_{name}", dtype=dtype, direction="fwd",
                                          Nq=N, d=d, causal="0")
-             for name, dtype in (("flash", "fp16"), ("cudnn", "fp16"), ("efficient", "fp32"))
-             for d in ("64", "128") for run in runs_all}
+             for name, dtype in half_peers + peers_of["fp32"]
+             for d in ("64", "128") for run in {attn.run_of(r) for r in gpu}}
 
     def tf(r):
         if not r:
@@ -105,19 +106,18 @@ def results_table(root):
                         where["B"] = str(16384 // int(N))
                     # A point measured in several runs: its latest row, as the plots draw.
                     cells[direction, d] = pick(attn.latest(rows), **where)
-            ratios = []
-            names = ("efficient",) if dtype == "fp32" else ("flash", "cudnn")
-            for name in names if kind_rows is gpu else ():
+            ratios, found = [], False
+            for name, peer_dtype in peers_of.get(dtype, half_peers) if kind_rows is gpu else ():
                 pct = []
                 for d in ("64", "128"):
                     r = cells["fwd", d]
-                    f = peers.get((name, "fp32" if dtype == "fp32" else "fp16", d,
-                                   attn.run_of(r))) if r else None
+                    f = peers.get((name, peer_dtype, d, attn.run_of(r))) if r else None
+                    found = found or bool(r and f)
                     pct.append(f"{100 * float(r['tflops']) / float(f['tflops']):.1f}%"
                                if r and f else "-")
                 ratios.append(f"{name} {' / '.join(pct)}")
-            if all(r.endswith("- / -") for r in ratios):
-                ratios = []  # no peer in the stage's run at all
+            if not found:
+                ratios = []  # no peer in the stage's run at all: one dash
             if kind_rows is cpu:
                 m = pick(rows, direction="fwd", Nq="8192", d="64")
                 memory = f"{human_bytes(int(m['workspace_bytes']))} workspace" if m else "-"
