@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """How far the upper middle of 20 sorted times (compare_pytorch.timed_median before commit
-8791871) sits above their median, the mean of the two middle ones (the stage programs'), for
+c8bf43c) sits above their median, the mean of the two middle ones (the stage programs'), for
 SDPA flash at FlashAttention's sizes: fp16, N = 4096 and 16384, d = 64 and 128, causal and
 not, forward and backward, three rounds of 20 after 5 warm-ups, the L2 flushed before each
 repeat. Prints TSV rows, then the largest excess. Needs PyTorch and a CUDA GPU.
