@@ -60,24 +60,21 @@ const char *attn_last_failure(void) { return fail_line; }
 int attn_last_failure_code(void) { return fail_code; }
 
 void attn_fail(int code, const char *fmt, ...) {
+  /* The line is composed once, for both ends: kept for a caller that set a return point, or
+   * printed. A line past the buffer is cut short (snprintf returns the length it wanted). */
   va_list ap;
   va_start(ap, fmt);
+  size_t n = (size_t)snprintf(fail_line, sizeof fail_line, "%s: ", attn_program_name);
+  if (n < sizeof fail_line) n += (size_t)vsnprintf(fail_line + n, sizeof fail_line - n, fmt, ap);
+  if (n < sizeof fail_line) snprintf(fail_line + n, sizeof fail_line - n, "%s", attn_failure_note);
+  va_end(ap);
+  fail_code = code;
   if (fail_target) {
     jmp_buf *target = fail_target;
     fail_target = NULL; /* one jump a return point: its frame returns next */
-    fail_code = code;
-    /* A line past the buffer is cut short (snprintf returns the length it wanted). */
-    size_t n = (size_t)snprintf(fail_line, sizeof fail_line, "%s: ", attn_program_name);
-    if (n < sizeof fail_line) n += (size_t)vsnprintf(fail_line + n, sizeof fail_line - n, fmt, ap);
-    if (n < sizeof fail_line)
-      snprintf(fail_line + n, sizeof fail_line - n, "%s", attn_failure_note);
-    va_end(ap);
     longjmp(*target, code);
   }
-  fprintf(stderr, "%s: ", attn_program_name);
-  vfprintf(stderr, fmt, ap);
-  va_end(ap);
-  fprintf(stderr, "%s\n", attn_failure_note);
+  fprintf(stderr, "%s\n", fail_line);
   exit(code);
 }
 
