@@ -208,8 +208,8 @@ def hopper_steps(result_dir, out_dir):
 
 # Stage 09's A/B table: what the stage gains over each switch turned off alone, forward and
 # backward, each from the newest command of 09_swizzle_pipeline-variants.tsv that timed that
-# switch in that direction (the forward's switches were timed again after the forward changed
-# at d <= 64; the backward's were not, its code unchanged since).
+# switch in that direction (a switch of one direction is drawn in the other too where that
+# command timed both: what it then shows is the noise of timing the same kernel twice).
 SWIZZLE_SWITCHES = [("swizzle_off", "swizzle"), ("whole_tiles_off", "whole tiles"),
                     ("split_waits_off", "split K/V waits"),
                     ("ffma_fold_off", "exponent in one FFMA"), ("rows16_bc64", "128 x 128 tile"),

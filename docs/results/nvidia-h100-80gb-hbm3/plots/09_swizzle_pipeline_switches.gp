@@ -1,6 +1,6 @@
 set terminal pngcairo size 1200,640 font 'sans,11'
 set output '09_swizzle_pipeline_switches.png'
-set title "Stage 09, what each technique buys: TFLOP/s gain over the stage with it switched off\n{/*0.8 mean of N = 4096 and 16384, causal and not, fp16 (H = 2048/d, B = 16384/N), commands 340c936-ab, 4b29901-ab; NVIDIA H100 80GB HBM3, CUDA 13.0, 2026-11-26}"
+set title "Stage 09, what each technique buys: TFLOP/s gain over the stage with it switched off\n{/*0.8 mean of N = 4096 and 16384, causal and not, fp16 (H = 2048/d, B = 16384/N), commands 05c6b0d-ab, 05c6b0d-ab2; NVIDIA H100 80GB HBM3, CUDA 13.0, 2026-11-28}"
 set ylabel 'gain (%)'
 set grid ytics
 set style data histograms
