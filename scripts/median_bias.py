@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """How far the upper middle of 20 sorted times (compare_pytorch.timed_median before commit
 c8bf43c) sits above their median, the mean of the two middle ones (the stage programs'), for
-SDPA flash at FlashAttention's sizes: fp16, N = 4096 and 16384, d = 64 and 128, causal and
-not, forward and backward, three rounds of 20 after 5 warm-ups, the L2 flushed before each
-repeat. Prints TSV rows, then the largest excess. Needs PyTorch and a CUDA GPU.
+one SDPA backend (flash, the default, cudnn or efficient) at FlashAttention's sizes: fp16,
+N = 4096 and 16384, d = 64 and 128, causal and not, forward and backward, three rounds of 20
+after 5 warm-ups, the L2 flushed before each repeat. Prints TSV rows, then the largest
+excess. Needs PyTorch and a CUDA GPU.
 
-    python3 scripts/median_bias.py > bias.tsv
+    python3 scripts/median_bias.py [flash|cudnn|efficient] > bias.tsv
 """
 import sys
 
@@ -13,6 +14,9 @@ ROUNDS, WARMUPS, REPEATS = 3, 5, 20
 
 
 def main():
+    backend = sys.argv[1] if len(sys.argv) > 1 else "flash"
+    if len(sys.argv) > 2 or backend not in ("flash", "cudnn", "efficient"):
+        sys.exit("usage: median_bias.py [flash|cudnn|efficient]")
     try:
         import torch
         import torch.nn.functional as F
@@ -21,10 +25,12 @@ def main():
         sys.exit("median_bias: needs PyTorch")
     if not torch.cuda.is_available():
         sys.exit("median_bias: needs a CUDA GPU")
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
     prop = torch.cuda.get_device_properties(0)
     flush = torch.empty(2 * prop.L2_cache_size, dtype=torch.uint8, device="cuda")
     print(f"# device {torch.cuda.get_device_name()} torch {torch.__version__} "
-          f"cuda {torch.version.cuda}")
+          f"cuda {torch.version.cuda} backend {backend}")
     print("direction\td\tN\tcausal\tround\tupper_middle_ms\tmedian_ms\tupper_over_median")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     worst = 0.0
@@ -35,7 +41,7 @@ def main():
                                    requires_grad=True) for _ in range(3))
             do = torch.randn_like(q)
             for causal in (False, True):
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                with sdpa_kernel(backends[backend]):
                     o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
                     calls = (("fwd", lambda: F.scaled_dot_product_attention(
                                  q, k, v, is_causal=causal)),
