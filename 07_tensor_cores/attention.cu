@@ -259,8 +259,11 @@ constexpr int Br_bwd = 32;
 static_assert(Bc_bwd_small % Frag == 0 && Br_bwd <= threads_for(Bc_bwd_small),
               "whole warps of keys; a thread per query row loads LSE and D");
 
+/* D of every row, then the bound on |dS| (DsStats floats). */
+static size_t delta_floats(size_t rows) { return (rows + 3) / 4 * 4; }
+constexpr int DsStats = 4; /* max |dO_i|^2 and max |V_j|^2, padded to 16 bytes */
 static size_t backward_workspace(const attn_problem *p) {
-  return sizeof(float) * attn_lse_elems(p);
+  return sizeof(float) * (delta_floats(attn_lse_elems(p)) + DsStats);
 }
 
 /* Shared memory of the dK/dV kernel: K and V (bc x d), Q and dO tiles (Br_bwd x d), LSE and D
@@ -275,15 +278,58 @@ static_assert(tile_bytes<__half>(128, Bc, 2 * Br) <= 99 * 1024 &&
                   dkdv_bytes<__half>(128, Bc_bwd_small) <= 99 * 1024,
               "every kernel has a configuration within the 99 KiB of sm_86 and sm_89");
 
+/* dS = P (dP - D) is rounded to the dtype for the dK and dQ products, and fp16 ends at 65504:
+ * with large V and dO and a small softmax scale |dS| passes that while the gradients stay
+ * small. D_i is a P-weighted mean of row i's dP, so |dP_ij - D_i| <= 2 max_j |dO_i . V_j|, and
+ * with P <= 1, |dS| <= 2 max|dO_i| max|V_j| (Euclidean norms of rows). In fp16 the kernels
+ * multiply dS by 2^-k before rounding it, k the least that brings this bound under 2^DsLimitLog2,
+ * and dK and dQ by 2^k after their fp32 sums: powers of two, so both steps are exact (bar
+ * elements that fall below fp16's normal range, 2^-14 of the bound and less). bf16 has fp32's
+ * range and needs none of it. */
+constexpr int DsLimitLog2 = 15; /* 2^15: half of fp16's range, leaving room for rounding */
+constexpr int DsMaxShift = 64;  /* norms of finite fp16 rows need far less */
+__device__ float ds_scale(const float *stats) {
+  if (!stats) return 1.f;
+  int e;
+  frexpf(2.f * sqrtf(stats[0]) * sqrtf(stats[1]), &e); /* the bound is below 2^e */
+  return ldexpf(1.f, -min(max(e - DsLimitLog2, 0), DsMaxShift));
+}
+
+/* The largest of x over the block into *out (x >= 0, so its bits order as unsigned integers;
+ * *out starts at 0): one atomic a block, not a thread. */
+__device__ void block_max_into(float x, float *out) {
+  __shared__ unsigned warp_max[32];
+  unsigned bits = __reduce_max_sync(0xffffffffu, __float_as_uint(x));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = bits;
+  __syncthreads(); /* RAW: every warp's maximum is in shared memory */
+  if (threadIdx.x < 32) {
+    bits = threadIdx.x < blockDim.x / 32 ? warp_max[threadIdx.x] : 0u;
+    bits = __reduce_max_sync(0xffffffffu, bits);
+    if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned *>(out), bits);
+  }
+}
+
 /* D_i = sum_c dO_ic O_ic, one thread per row. (It equals sum_j dP_ij P_ij: the backward of
- * the softmax needs exactly this dot product, and O = P V makes it a d-term sum.) */
+ * the softmax needs exactly this dot product, and O = P V makes it a d-term sum.) With
+ * `stats` (fp16), also max |dO_i|^2 and max |V_j|^2 into stats[0], stats[1] for ds_scale. */
 template <typename T>
-__global__ void compute_delta_kernel(const T *o, const T *d_o, float *delta, long rows, int d) {
+__global__ void compute_delta_kernel(const T *o, const T *d_o, const T *v, float *delta,
+                                     float *stats, long rows, long kv_rows, int d) {
   long r = blockIdx.x * (long)blockDim.x + threadIdx.x;
-  if (r >= rows) return;
-  float sum = 0.f;
-  for (int c = 0; c < d; c++) sum += float(d_o[r * d + c]) * float(o[r * d + c]);
-  delta[r] = sum;
+  float sum = 0.f, do_norm2 = 0.f, v_norm2 = 0.f;
+  if (r < rows) {
+    for (int c = 0; c < d; c++) {
+      float x = float(d_o[r * d + c]);
+      sum += x * float(o[r * d + c]), do_norm2 += x * x;
+    }
+    delta[r] = sum;
+  }
+  if (!stats) return;
+  if (r < kv_rows)
+    for (int c = 0; c < d; c++) v_norm2 += float(v[r * d + c]) * float(v[r * d + c]);
+  block_max_into(do_norm2, stats);
+  __syncthreads(); /* WAR: block_max_into's shared memory is read before it is reused */
+  block_max_into(v_norm2, stats + 1);
 }
 
 /* A warp per 16 keys j of the block's BC keys (Bc_bwd, or Bc_bwd_small where shared memory
@@ -294,8 +340,9 @@ __global__ void __launch_bounds__(threads_for(BC))
     flash_backward_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ k,
                                const T *__restrict__ v, const T *__restrict__ d_o,
                                const float *__restrict__ lse, const float *__restrict__ delta,
-                               T *__restrict__ dk, T *__restrict__ dv, int nq, int nkv, int heads,
-                               float scale, int causal) {
+                               const float *__restrict__ ds_stats, T *__restrict__ dk,
+                               T *__restrict__ dv, int nq, int nkv, int heads, float scale,
+                               int causal) {
   constexpr int ld = padded<T>(D), ld_s = padded<float>(Br_bwd), ld_p = padded<T>(Br_bwd);
   extern __shared__ __align__(32) float4 smem_bwd[];
   T *Ks = reinterpret_cast<T *>(smem_bwd), *Vs = Ks + BC * ld;
@@ -308,6 +355,7 @@ __global__ void __launch_bounds__(threads_for(BC))
   int key = threadIdx.x / LANES, part = threadIdx.x % LANES;
   int j0 = (int)(blockIdx.x % key_blocks) * BC, j = j0 + key;
   int cols = min(BC, nkv - j0), offset = nkv - nq;
+  const float dss = ds_scale(ds_stats);
   load_kv_tile<D, BC>(k + (bh * nkv + j0) * D, v + (bh * nkv + j0) * D, cols, Ks, Vs);
   FragAcc dk_acc[D / Frag], dv_acc[D / Frag];
 #pragma unroll
@@ -340,7 +388,7 @@ __global__ void __launch_bounds__(threads_for(BC))
     const float *dP_j = stage_product<wmma::col_major, Br_bwd, D>(Vs, ld, dOs, ld, St, ld_s);
 #pragma unroll
     for (int c = 0, r = part; c < Br_bwd / LANES; c++, r += LANES) /* no LSE or D past `rows` */
-      dSt[key * ld_p + r] = T(r < rows ? prob[c] * (dP_j[c * LANES] - delta_s[r]) : 0.f);
+      dSt[key * ld_p + r] = T(r < rows ? prob[c] * (dP_j[c * LANES] - delta_s[r]) * dss : 0.f);
     __syncwarp(); /* RAW: the warp's rows of P^T and dS^T are whole before they load */
     mma_tile<wmma::row_major, D, Br_bwd>(dv_acc, Pt, ld_p, dOs, ld);
     mma_tile<wmma::row_major, D, Br_bwd>(dk_acc, dSt, ld_p, Qs, ld);
@@ -350,7 +398,8 @@ __global__ void __launch_bounds__(threads_for(BC))
     const float *dK_j = stage_rows<Br_bwd>(dk_acc + c0 / Frag, St, ld_s);
 #pragma unroll
     for (int c = 0; c < Br_bwd / LANES; c++)
-      if (j < nkv) dk[(bh * nkv + j) * D + c0 + c * LANES + part] = T(scale * dK_j[c * LANES]);
+      if (j < nkv)
+        dk[(bh * nkv + j) * D + c0 + c * LANES + part] = T(scale / dss * dK_j[c * LANES]);
     const float *dV_j = stage_rows<Br_bwd>(dv_acc + c0 / Frag, St, ld_s);
 #pragma unroll
     for (int c = 0; c < Br_bwd / LANES; c++)
@@ -365,8 +414,8 @@ __global__ void __launch_bounds__(threads_for(Br))
     flash_backward_dq_kernel(const T *__restrict__ q, const T *__restrict__ k,
                              const T *__restrict__ v, const T *__restrict__ d_o,
                              const float *__restrict__ lse, const float *__restrict__ delta,
-                             T *__restrict__ dq, int nq, int nkv, int heads, float scale,
-                             int causal) {
+                             const float *__restrict__ ds_stats, T *__restrict__ dq, int nq,
+                             int nkv, int heads, float scale, int causal) {
   constexpr int ld = padded<T>(D), ld_s = padded<float>(Bc), ld_p = padded<T>(Bc);
   extern __shared__ __align__(32) float4 smem[];
   T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + Bc * ld, *Qs = Vs + Bc * ld;
@@ -378,6 +427,7 @@ __global__ void __launch_bounds__(threads_for(Br))
       (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) * Br;
   int i = i0 + threadIdx.x / LANES, part = threadIdx.x % LANES;
   bool has_row = i < nq;
+  const float dss = ds_scale(ds_stats);
   const T *K = k + bh * nkv * D, *V = v + bh * nkv * D;
   load_kv_tile<D, Br>(q + (bh * nq + i0) * D, d_o + (bh * nq + i0) * D, min(Br, nq - i0), Qs, dOs);
   FragAcc dq_acc[D / Frag];
@@ -401,7 +451,7 @@ __global__ void __launch_bounds__(threads_for(Br))
     const float *dP_i = stage_product<wmma::col_major, Bc, D>(dOs, ld, Vs, ld, Ss, ld_s);
 #pragma unroll
     for (int c = 0, j = part; c < Bc / LANES; c++, j += LANES)
-      dSs[threadIdx.x / LANES * ld_p + j] = T(prob[c] * (dP_i[c * LANES] - delta_i));
+      dSs[threadIdx.x / LANES * ld_p + j] = T(prob[c] * (dP_i[c * LANES] - delta_i) * dss);
     __syncwarp(); /* RAW: the warp's rows of dS are whole before they load */
     mma_tile<wmma::row_major, D, Bc>(dq_acc, dSs, ld_p, Ks, ld);
     __syncthreads(); /* WAR: every row is done with the tile before the next load overwrites it */
@@ -411,12 +461,13 @@ __global__ void __launch_bounds__(threads_for(Br))
     const float *dQ_i = stage_rows<Frag>(dq_acc + c0 / Frag, Ss, ld_s);
 #pragma unroll
     for (int c = 0; c < Frag / LANES; c++)
-      if (has_row) dq[(bh * nq + i) * D + c0 + c * LANES + part] = T(scale * dQ_i[c * LANES]);
+      if (has_row) dq[(bh * nq + i) * D + c0 + c * LANES + part] = T(scale / dss * dQ_i[c * LANES]);
   }
 }
 
 template <int D, int BC, typename T>
-static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const float *delta) {
+static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const float *delta,
+                        const float *ds_stats) {
   int heads = p->batch * p->heads;
   attn_require_shared_memory((const void *)flash_backward_dkdv_kernel<D, BC, T>,
                              dkdv_bytes<T>(D, BC), "flash_backward_dkdv_kernel");
@@ -424,7 +475,7 @@ static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const floa
   flash_backward_dkdv_kernel<D, BC>
       <<<key_blocks, threads_for(BC), dkdv_bytes<T>(D, BC), attn_stream()>>>(
           (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
-          (T *)t->dk, (T *)t->dv, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
+          ds_stats, (T *)t->dk, (T *)t->dv, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_backward_dkdv_kernel");
 }
 
@@ -433,22 +484,26 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   if (p->dtype == DTYPE_BF16 && !std::is_same_v<T, __nv_bfloat16>)
     return launch_backward<D, __nv_bfloat16>(p, t);
   int heads = p->batch * p->heads;
-  long rows = (long)heads * p->seq_q;
+  long rows = (long)heads * p->seq_q, kv_rows = (long)heads * p->seq_kv;
   float *delta = (float *)t->workspace;
+  /* The bound on |dS| in fp16 only (ds_scale); bf16 passes none. */
+  float *ds_stats = std::is_same_v<T, __half> ? delta + delta_floats(rows) : nullptr;
+  if (ds_stats) CUDA_CHECK(cudaMemsetAsync(ds_stats, 0, sizeof(float) * DsStats, attn_stream()));
   const int delta_threads = 256; /* a memory-bound pass: any full-warp count will do */
-  compute_delta_kernel<<<(unsigned)((rows + delta_threads - 1) / delta_threads), delta_threads, 0,
-                         attn_stream()>>>((const T *)t->o, (const T *)t->d_o, delta, rows, D);
+  long delta_grid = ((ds_stats ? max(rows, kv_rows) : rows) + delta_threads - 1) / delta_threads;
+  compute_delta_kernel<<<(unsigned)delta_grid, delta_threads, 0, attn_stream()>>>(
+      (const T *)t->o, (const T *)t->d_o, (const T *)t->v, delta, ds_stats, rows, kv_rows, D);
   CHECK_LAUNCH("compute_delta_kernel");
   if (dkdv_bytes<T>(D, Bc_bwd) <= attn_shared_memory_limit())
-    launch_dkdv<D, Bc_bwd, T>(p, t, delta);
+    launch_dkdv<D, Bc_bwd, T>(p, t, delta, ds_stats);
   else
-    launch_dkdv<D, Bc_bwd_small, T>(p, t, delta);
+    launch_dkdv<D, Bc_bwd_small, T>(p, t, delta, ds_stats);
   size_t dq_bytes = tile_bytes<T>(D, Bc, 2 * Br);
   attn_require_shared_memory((const void *)flash_backward_dq_kernel<D, T>, dq_bytes,
                              "flash_backward_dq_kernel");
   unsigned row_blocks = (unsigned)((p->seq_q + Br - 1) / Br * heads);
   flash_backward_dq_kernel<D><<<row_blocks, threads_for(Br), dq_bytes, attn_stream()>>>(
-      (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
+      (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta, ds_stats,
       (T *)t->dq, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_backward_dq_kernel");
 }

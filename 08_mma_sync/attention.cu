@@ -463,13 +463,34 @@ static_assert(rows_bwd(Bc_bwd_small) % MmaK == 0 && Bc_dq % MmaK == 0, "whole k-
  * (128 registers: backward +12 to +16% against the compiler's 134 and one block); at d = 128,
  * where dK and dV alone take 128 registers, 1. */
 __host__ __device__ constexpr int dkdv_blocks_per_sm(int d) { return d <= 64 ? 2 : 1; }
-/* Blocks of the dQ kernel that must fit an SM, with its Q and dO operands in registers: 4 at
+/* Blocks of the dQ kernel that must fit an H100's SM, with its Q and dO operands in registers: 4 at
  * d <= 64 (128 registers, no spill; at d = 64 uncapped 132, 3 blocks) and 3 at d = 128 (168,
- * an 8-byte spill; uncapped 178, 2 blocks). */
-__host__ __device__ constexpr int dq_blocks_per_sm(int d) { return d <= 64 ? 4 : 3; }
+ * an 8-byte spill; uncapped 178, 2 blocks). A cap that makes room for more blocks than the SM's
+ * shared memory holds spills for nothing, so the architecture being compiled caps the count too: an
+ * A100 fits 2 blocks at d = 128, RTX 30 and 40 one (3 at d = 64), and there the registers are not
+ * capped below what those need. */
+__host__ __device__ constexpr int sm_shared_kib() { /* one SM's shared memory */
+#if defined(__CUDA_ARCH__) && \
+    (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 890 || __CUDA_ARCH__ >= 1200)
+  return 100; /* sm_86, sm_89: RTX 30, 40; sm_120: RTX 50 */
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  return 164; /* sm_80: A100; sm_87 */
+#else
+  return 228; /* sm_90: H100, H200 (and the host's pass, which needs none) */
+#endif
+}
+constexpr int ReservedKib = 1; /* the shared memory an SM keeps for each block (sm_80 on) */
+__host__ __device__ constexpr int dq_blocks_per_sm(int d) {
+  int tile_kib = (int)((4 * Bc_dq + 2 * Br_dq) * padded<__half>(d) * sizeof(__half) + 1023) / 1024;
+  int fit = sm_shared_kib() / (tile_kib + ReservedKib), most = d <= 64 ? 4 : 3;
+  return fit < most ? fit : most;
+}
 
+/* D of every row, then the bound on |dS| (DsStats floats). */
+static size_t delta_floats(size_t rows) { return (rows + 3) / 4 * 4; }
+constexpr int DsStats = 4; /* max |dO_i|^2 and max |V_j|^2, padded to 16 bytes */
 static size_t backward_workspace(const attn_problem *p) {
-  return sizeof(float) * attn_lse_elems(p);
+  return sizeof(float) * (delta_floats(attn_lse_elems(p)) + DsStats);
 }
 
 /* Shared memory of the dK/dV kernel: K and V (bc x d), Q and dO tiles (Br_bwd x d), LSE and D
@@ -484,15 +505,58 @@ static_assert(tile_bytes<__half>(128, Bc_small, Br) <= 99 * 1024 &&
                   dkdv_bytes<__half>(128, Bc_bwd_small) <= 99 * 1024,
               "every kernel has a configuration within the 99 KiB of sm_86 and sm_89");
 
+/* dS = P (dP - D) is rounded to the dtype for the dK and dQ products, and fp16 ends at 65504:
+ * with large V and dO and a small softmax scale |dS| passes that while the gradients stay
+ * small. D_i is a P-weighted mean of row i's dP, so |dP_ij - D_i| <= 2 max_j |dO_i . V_j|, and
+ * with P <= 1, |dS| <= 2 max|dO_i| max|V_j| (Euclidean norms of rows). In fp16 the kernels
+ * multiply dS by 2^-k before rounding it, k the least that brings this bound under 2^DsLimitLog2,
+ * and dK and dQ by 2^k after their fp32 sums: powers of two, so both steps are exact (bar
+ * elements that fall below fp16's normal range, 2^-14 of the bound and less). bf16 has fp32's
+ * range and needs none of it. */
+constexpr int DsLimitLog2 = 15; /* 2^15: half of fp16's range, leaving room for rounding */
+constexpr int DsMaxShift = 64;  /* norms of finite fp16 rows need far less */
+__device__ float ds_scale(const float *stats) {
+  if (!stats) return 1.f;
+  int e;
+  frexpf(2.f * sqrtf(stats[0]) * sqrtf(stats[1]), &e); /* the bound is below 2^e */
+  return ldexpf(1.f, -min(max(e - DsLimitLog2, 0), DsMaxShift));
+}
+
+/* The largest of x over the block into *out (x >= 0, so its bits order as unsigned integers;
+ * *out starts at 0): one atomic a block, not a thread. */
+__device__ void block_max_into(float x, float *out) {
+  __shared__ unsigned warp_max[32];
+  unsigned bits = __reduce_max_sync(0xffffffffu, __float_as_uint(x));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = bits;
+  __syncthreads(); /* RAW: every warp's maximum is in shared memory */
+  if (threadIdx.x < 32) {
+    bits = threadIdx.x < blockDim.x / 32 ? warp_max[threadIdx.x] : 0u;
+    bits = __reduce_max_sync(0xffffffffu, bits);
+    if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned *>(out), bits);
+  }
+}
+
 /* D_i = sum_c dO_ic O_ic, one thread per row. (It equals sum_j dP_ij P_ij: the backward of
- * the softmax needs exactly this dot product, and O = P V makes it a d-term sum.) */
+ * the softmax needs exactly this dot product, and O = P V makes it a d-term sum.) With
+ * `stats` (fp16), also max |dO_i|^2 and max |V_j|^2 into stats[0], stats[1] for ds_scale. */
 template <typename T>
-__global__ void compute_delta_kernel(const T *o, const T *d_o, float *delta, long rows, int d) {
+__global__ void compute_delta_kernel(const T *o, const T *d_o, const T *v, float *delta,
+                                     float *stats, long rows, long kv_rows, int d) {
   long r = blockIdx.x * (long)blockDim.x + threadIdx.x;
-  if (r >= rows) return;
-  float sum = 0.f;
-  for (int c = 0; c < d; c++) sum += float(d_o[r * d + c]) * float(o[r * d + c]);
-  delta[r] = sum;
+  float sum = 0.f, do_norm2 = 0.f, v_norm2 = 0.f;
+  if (r < rows) {
+    for (int c = 0; c < d; c++) {
+      float x = float(d_o[r * d + c]);
+      sum += x * float(o[r * d + c]), do_norm2 += x * x;
+    }
+    delta[r] = sum;
+  }
+  if (!stats) return;
+  if (r < kv_rows)
+    for (int c = 0; c < d; c++) v_norm2 += float(v[r * d + c]) * float(v[r * d + c]);
+  block_max_into(do_norm2, stats);
+  __syncthreads(); /* WAR: block_max_into's shared memory is read before it is reused */
+  block_max_into(v_norm2, stats + 1);
 }
 
 /* Copies `rows` rows of LSE (times log2 e, for exp2) and D into shared memory; the rows past
@@ -505,19 +569,20 @@ __device__ void load_row_stats(const float *lse, const float *delta, int rows, i
   }
 }
 
-/* P = 2^(s scale log2(e) - LSE) (LSE in log2 units) and dS = P (dP - D) for the four
- * elements of an accumulator, as half an A operand (out[0] rows 0-7, out[1] rows 8-15). A
- * masked element is 0 without exp2, so a row that sees no key (LSE = -inf) makes no NaN. The
- * clamp P <= 1: an fp32 LSE of logits near 1e11 is known only to about 4096 (2^4096 = inf). */
+/* P = 2^(s scale log2(e) - LSE) (LSE in log2 units) and dS = P (dP - D) (times ds_scale in
+ * fp16) for the four elements of an accumulator, as half an A operand (out[0] rows 0-7, out[1] rows
+ * 8-15). A masked element is 0 without exp2, so a row that sees no key (LSE = -inf) makes no NaN.
+ * The clamp P <= 1: an fp32 LSE of logits near 1e11 is known only to about 4096 (2^4096 = inf). */
 template <typename T>
 __device__ void probabilities_and_ds(const float *s, const float *dp, float scale_log2,
                                      const float *lse, const float *delta, const bool *visible,
-                                     unsigned *p_out, unsigned *ds_out) {
+                                     float ds_scale, unsigned *p_out, unsigned *ds_out) {
   float p[4], ds[4];
 #pragma unroll
   for (int e = 0; e < 4; e++) {
     p[e] = visible[e] ? fminf(1.f, exp2_approx(fmaf(s[e], scale_log2, -lse[e]))) : 0.f;
     ds[e] = p[e] * (dp[e] - delta[e]);
+    if constexpr (std::is_same_v<T, __half>) ds[e] *= ds_scale; /* in fp16's range */
   }
   p_out[0] = pack2(p[0], p[1], T()), p_out[1] = pack2(p[2], p[3], T());
   ds_out[0] = pack2(ds[0], ds[1], T()), ds_out[1] = pack2(ds[2], ds[3], T());
@@ -555,8 +620,9 @@ __global__ void __launch_bounds__(threads_for(BC), dkdv_blocks_per_sm(D))
     flash_backward_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ k,
                                const T *__restrict__ v, const T *__restrict__ d_o,
                                const float *__restrict__ lse, const float *__restrict__ delta,
-                               T *__restrict__ dk, T *__restrict__ dv, int nq, int nkv, int heads,
-                               float scale, int causal) {
+                               const float *__restrict__ ds_stats, T *__restrict__ dk,
+                               T *__restrict__ dv, int nq, int nkv, int heads, float scale,
+                               int causal) {
   constexpr int KeyFrags = WarpKeys / MmaM, QSteps = query_steps(D);
   constexpr int ld = padded<T>(D), Br_bwd = rows_bwd(BC);
   static_assert(Br_bwd / MmaK % QSteps == 0, "whole query steps");
@@ -573,7 +639,7 @@ __global__ void __launch_bounds__(threads_for(BC), dkdv_blocks_per_sm(D))
   const T *Q = q + bh * nq * D, *dO = d_o + bh * nq * D;
   load_kv_tile<D, BC>(k + (bh * nkv + j0) * D, v + (bh * nkv + j0) * D, cols, Ks, Vs);
   float dk_acc[KeyFrags][D / MmaN][4] = {}, dv_acc[KeyFrags][D / MmaN][4] = {};
-  const float scale_log2 = scale * Log2e;
+  const float scale_log2 = scale * Log2e, dss = ds_scale(ds_stats);
   /* Under the causal mask the first query that sees key j0 is j0 - offset: the query tiles
    * before it are skipped. */
   int i_begin = causal ? max(0, j0 - offset) : 0;
@@ -637,7 +703,7 @@ __global__ void __launch_bounds__(threads_for(BC), dkdv_blocks_per_sm(D))
                 visible[e] = i < nq && j < nkv && (!causal || j <= i + offset);
               }
             probabilities_and_ds<T>(s[q][f][half], dp[q][f][half], scale_log2, lse_e, delta_e,
-                                    visible, p_frag[f] + 2 * half, ds_frag[f] + 2 * half);
+                                    visible, dss, p_frag[f] + 2 * half, ds_frag[f] + 2 * half);
           }
         }
         update_dkdv<D, D, KeyFrags>(p_frag, ds_frag, dOt, Qt, n2, 0, dv_acc, dk_acc);
@@ -648,7 +714,7 @@ __global__ void __launch_bounds__(threads_for(BC), dkdv_blocks_per_sm(D))
   __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
   float dk_factor[2 * KeyFrags], dv_factor[2 * KeyFrags];
 #pragma unroll
-  for (int h = 0; h < 2 * KeyFrags; h++) dk_factor[h] = scale, dv_factor[h] = 1.f;
+  for (int h = 0; h < 2 * KeyFrags; h++) dk_factor[h] = scale / dss, dv_factor[h] = 1.f;
   store_tile<D, KeyFrags>(dk_acc, dk_factor, dk + (bh * nkv + jw) * D, nkv - jw);
   store_tile<D, KeyFrags>(dv_acc, dv_factor, dv + (bh * nkv + jw) * D, nkv - jw);
 }
@@ -661,8 +727,8 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
     flash_backward_dq_kernel(const T *__restrict__ q, const T *__restrict__ k,
                              const T *__restrict__ v, const T *__restrict__ d_o,
                              const float *__restrict__ lse, const float *__restrict__ delta,
-                             T *__restrict__ dq, int nq, int nkv, int heads, float scale,
-                             int causal) {
+                             const float *__restrict__ ds_stats, T *__restrict__ dq, int nq,
+                             int nkv, int heads, float scale, int causal) {
   constexpr int ld = padded<T>(D), Br = Br_dq, Bc = Bc_dq; /* this kernel's own tiles */
   extern __shared__ __align__(32) float4 smem[];
   T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + 2 * Bc * ld, *Qs = Vs + 2 * Bc * ld;
@@ -678,7 +744,7 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
   /* The warp's Q and dO rows as A operands, read once from shared memory: the same 16 rows
    * meet every key tile, and reloading them would double the ldmatrix reads of S and dP. */
   unsigned q_frag[D / MmaK][4], do_frag[D / MmaK][4];
-  const float scale_log2 = scale * Log2e;
+  const float scale_log2 = scale * Log2e, dss = ds_scale(ds_stats);
   load_kv_tile<D, Br>(q + (bh * nq + i0) * D, d_o + (bh * nq + i0) * D, min(Br, nq - i0), Qs, dOs);
   /* LSE (log2 units) and D of the lane's two rows, in registers; rows past the end get 0. */
   float lse_e[4], delta_e[4];
@@ -726,7 +792,7 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
             int i = iw + g + 8 * (e / 2), j = j0 + n2 * 16 + half * MmaN + 2 * tq + e % 2;
             visible[e] = i < nq && j < nkv && (!causal || j <= i + offset);
           }
-        probabilities_and_ds<T>(s[half], dp[half], scale_log2, lse_e, delta_e, visible,
+        probabilities_and_ds<T>(s[half], dp[half], scale_log2, lse_e, delta_e, visible, dss,
                                 p_frag + 2 * half, ds_frag + 2 * half);
       }
       mma_tile<D, true, D>(dq_acc, &ds_frag, Kt, n2 * 16, 0);
@@ -734,12 +800,13 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
     __syncthreads(); /* WAR: every row is done with the tile before the next load overwrites it */
   }
   __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
-  const float dq_factor[2] = {scale, scale};
+  const float dq_factor[2] = {scale / dss, scale / dss};
   store_tile<D, 1>(dq_acc, dq_factor, dq + (bh * nq + iw) * D, nq - iw);
 }
 
 template <int D, int BC, typename T>
-static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const float *delta) {
+static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const float *delta,
+                        const float *ds_stats) {
   int heads = p->batch * p->heads;
   attn_require_shared_memory((const void *)flash_backward_dkdv_kernel<D, BC, T>,
                              dkdv_bytes<T>(D, BC), "flash_backward_dkdv_kernel");
@@ -747,7 +814,7 @@ static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const floa
   flash_backward_dkdv_kernel<D, BC>
       <<<key_blocks, threads_for(BC), dkdv_bytes<T>(D, BC), attn_stream()>>>(
           (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
-          (T *)t->dk, (T *)t->dv, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
+          ds_stats, (T *)t->dk, (T *)t->dv, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_backward_dkdv_kernel");
 }
 
@@ -756,22 +823,26 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   if (p->dtype == DTYPE_BF16 && !std::is_same_v<T, __nv_bfloat16>)
     return launch_backward<D, __nv_bfloat16>(p, t);
   int heads = p->batch * p->heads;
-  long rows = (long)heads * p->seq_q;
+  long rows = (long)heads * p->seq_q, kv_rows = (long)heads * p->seq_kv;
   float *delta = (float *)t->workspace;
+  /* The bound on |dS| in fp16 only (ds_scale); bf16 passes none. */
+  float *ds_stats = std::is_same_v<T, __half> ? delta + delta_floats(rows) : nullptr;
+  if (ds_stats) CUDA_CHECK(cudaMemsetAsync(ds_stats, 0, sizeof(float) * DsStats, attn_stream()));
   const int delta_threads = 256; /* a memory-bound pass: any full-warp count will do */
-  compute_delta_kernel<<<(unsigned)((rows + delta_threads - 1) / delta_threads), delta_threads, 0,
-                         attn_stream()>>>((const T *)t->o, (const T *)t->d_o, delta, rows, D);
+  long delta_grid = ((ds_stats ? max(rows, kv_rows) : rows) + delta_threads - 1) / delta_threads;
+  compute_delta_kernel<<<(unsigned)delta_grid, delta_threads, 0, attn_stream()>>>(
+      (const T *)t->o, (const T *)t->d_o, (const T *)t->v, delta, ds_stats, rows, kv_rows, D);
   CHECK_LAUNCH("compute_delta_kernel");
   if (dkdv_bytes<T>(D, Bc_bwd) <= attn_shared_memory_limit())
-    launch_dkdv<D, Bc_bwd, T>(p, t, delta);
+    launch_dkdv<D, Bc_bwd, T>(p, t, delta, ds_stats);
   else
-    launch_dkdv<D, Bc_bwd_small, T>(p, t, delta);
+    launch_dkdv<D, Bc_bwd_small, T>(p, t, delta, ds_stats);
   size_t dq_bytes = tile_bytes<T>(D, Bc_dq, 2 * Br_dq);
   attn_require_shared_memory((const void *)flash_backward_dq_kernel<D, T>, dq_bytes,
                              "flash_backward_dq_kernel");
   unsigned row_blocks = (unsigned)((p->seq_q + Br_dq - 1) / Br_dq * heads);
   flash_backward_dq_kernel<D><<<row_blocks, threads_for(Br_dq), dq_bytes, attn_stream()>>>(
-      (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
+      (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta, ds_stats,
       (T *)t->dq, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_backward_dq_kernel");
 }

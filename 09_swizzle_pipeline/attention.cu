@@ -61,8 +61,7 @@ constexpr int Br = 128;
 #define ATTN_BC 128 /* at d <= 64; 64: 64 keys */
 #endif
 __host__ __device__ constexpr int bc_for(int d) { return d > 64 ? 64 : ATTN_BC; }
-/* Keys per tile where the device cannot give a block tile_bytes(d, bc_for(d)) (96 KiB at d = 128,
- * which every GPU since sm_80 allows; 102 KiB with -DATTN_SWIZZLE=0): half the keys. */
+/* Keys per tile where bc_for(d) gives fewer blocks an SM (launch()): half the keys. */
 constexpr int Bc_small = 32;
 static_assert(Bc_small % MmaK == 0, "a tile of keys is whole k-steps of P V");
 /* Shared-memory tiles are stored without padding, the 16-byte chunks of each row permuted:
@@ -90,8 +89,8 @@ template <typename E>
 __host__ __device__ constexpr int padded(int cols) {
   return cols + Skew / (int)sizeof(E);
 }
-/* The offset of element (row, col) in a tile of D-element rows. A tile's first row must be
- * a multiple of 8 rows into its buffer, which every tile and warp offset here is. */
+/* The offset of element (row, col) in a tile of D-element rows, from a row a multiple of 8
+ * (where the pattern starts), which every warp's first row in a tile is. */
 template <int D, typename T>
 __host__ __device__ constexpr int swizzle(int row, int col) {
   constexpr int chunk = 16 / sizeof(T), chunks = D / chunk;  /* elements, chunks a row */
@@ -100,11 +99,23 @@ __host__ __device__ constexpr int swizzle(int row, int col) {
   int c = ATTN_SWIZZLE ? (col / chunk ^ row / rows_per_line % patterns) * chunk + col % chunk : col;
   return row * padded<T>(D) + c;
 }
+/* operand_address XORs the chunk bits of the absolute shared-memory address, which lands where
+ * swizzle() says only if the tile starts where those bits are 0: on a multiple of its swizzle
+ * period, the bytes of a row and at least 128 (a 128-byte line, which 64-byte rows share in
+ * pairs). Every kernel asserts this of each tile's offset; the block's shared memory starts on
+ * 256 bytes, the largest period. (Padded rows, -DATTN_SWIZZLE=0, add instead of XOR.) */
+template <int D, typename T>
+__host__ __device__ constexpr bool starts_swizzle_period(size_t bytes) {
+  constexpr size_t row = D * sizeof(T), period = row > 128 ? row : 128;
+  return !ATTN_SWIZZLE || bytes % period == 0;
+}
+constexpr int SharedAlignment = 256; /* the largest swizzle period: rows of 128 fp16 */
 
-/* Shared memory: K and V (bc rows, double-buffered), `rows` rows of Q (or Q, dO); none staged */
+/* Shared memory: K and V (bc rows, `buffers` buffers each), `rows` rows of Q (or Q, dO); none
+ * staged */
 template <typename T>
-static constexpr size_t tile_bytes(int d, int bc, int rows) {
-  return sizeof(T) * (4 * (size_t)bc + rows) * padded<T>(d);
+static constexpr size_t tile_bytes(int d, int bc, int rows, int buffers = 2) {
+  return sizeof(T) * (2 * buffers * (size_t)bc + rows) * padded<T>(d);
 }
 
 #ifndef ATTN_WHOLE_TILES
@@ -174,9 +185,10 @@ __device__ void ldmatrix_x4_trans(unsigned *r, unsigned address) {
                : "r"(address));
 }
 
-/* The shared-memory address of element (row + lane_row, col + lane_col) of a swizzled tile,
- * row a multiple of 8, col of 16: the lane's address is computed once, a column step (chunk
- * bits only, which the swizzle XORs) is one XOR, and the row an immediate the loads fold in. */
+/* The shared-memory address of element (row + lane_row, col + lane_col) of a swizzled tile
+ * that starts on its swizzle period, row a multiple of 8, col of 16: the lane's address is computed
+ * once, a column step (chunk bits only, which the swizzle XORs) is one XOR, and the row an
+ * immediate the loads fold in. */
 template <int D, typename T>
 __device__ unsigned operand_address(const T *tile, int lane_row, int lane_col, int row, int col) {
   unsigned lane = (unsigned)__cvta_generic_to_shared(tile + swizzle<D, T>(lane_row, lane_col));
@@ -411,16 +423,29 @@ __device__ void normalize_output(const float (*acc)[D / MmaN][4], const float *m
   store_tile<D, RowFrags>(acc, inv_l, O, rows);
 }
 
-template <int D, int BC, typename T>
-__global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
+/* Blocks of the forward that share an SM: the registers of two 4-warp blocks (up to 255 a
+ * thread), where the shared memory lets them (launch()). */
+constexpr int ForwardBlocksPerSm = 2;
+
+/* BUFFERS = 2: K and V double-buffered, each tile's copy issued a whole tile ahead. Where that
+ * leaves room for one block an SM but one buffer each leaves room for two (A100 at d = 128,
+ * RTX 30 and 40 at every d: launch()), BUFFERS = 1, FlashAttention-2's placement: K(t + 1)'s
+ * copy goes out once every warp is done with S = Q K(t)^T and overlaps the softmax and P V(t),
+ * V(t + 1)'s once every warp is done with P V(t) and overlaps S = Q K(t + 1)^T. */
+template <int D, int BC, int BUFFERS, typename T>
+__global__ void __launch_bounds__(threads_for(Br, row_frags(D)), ForwardBlocksPerSm)
     flash_forward_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                          T *__restrict__ o, float *__restrict__ lse, int nq, int nkv, int heads,
                          float scale, int causal) {
   constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
   constexpr int Threads = threads_for(Br, RowFrags);
-  extern __shared__ __align__(256) float4 smem[]; /* cp.async and ldmatrix move 16 bytes */
-  T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + 2 * BC * padded<T>(D);
-  T *Qs = Vs + 2 * BC * padded<T>(D); /* K and V double-buffered, then the Q tile */
+  constexpr bool Double = BUFFERS == 2;
+  static_assert(BUFFERS == 1 || BUFFERS == 2, "K and V single- or double-buffered");
+  /* K and V buffers of BC rows each, then Q: every tile starts on its swizzle period */
+  static_assert(starts_swizzle_period<D, T>(sizeof(T) * BC * padded<T>(D)), "tile alignment");
+  extern __shared__ __align__(SharedAlignment) float4 smem[]; /* cp.async, ldmatrix: 16 bytes */
+  T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + BUFFERS * BC * padded<T>(D);
+  T *Qs = Vs + BUFFERS * BC * padded<T>(D); /* K and V buffers, then the Q tile */
   /* Causal blocks have unequal work: row block r does about r + 1 times row block 0's. Ordered by
    * row block across all heads, every head's heaviest block starts first and the light ones
    * fill the tail (measured at N = 4096, d = 64: ordered per head, the heavy blocks of the
@@ -458,22 +483,25 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
   int kv_end = causal ? max(0, min(nkv, last_row + offset + 1)) : nkv;
   /* K(t) and V(t) in copy groups of their own (Q joins K(0)'s), so that each product waits
    * only for its operand. -DATTN_SPLIT_WAITS=0 waits for both at a tile's top, as 08 does. */
-  constexpr bool split = ATTN_SPLIT_WAITS;
+  constexpr bool split = ATTN_SPLIT_WAITS || !Double;
   if (kv_end > 0) load_tile<D, BC, Threads>(K, min(BC, nkv), Ks);
   __pipeline_commit();
   if (kv_end > 0) load_tile<D, BC, Threads>(V, min(BC, nkv), Vs);
   __pipeline_commit();
-  for (int j0 = 0, buf = 0; j0 < kv_end; j0 += BC, buf ^= 1) {
+  for (int j0 = 0, buf = 0; j0 < kv_end; j0 += BC, buf ^= Double) {
     int cols = min(BC, nkv - j0), next = j0 + BC;
-    T *Kn = Ks + (buf ^ 1) * BC * padded<T>(D), *Vn = Vs + (buf ^ 1) * BC * padded<T>(D);
-    if (next < kv_end) load_tile<D, BC, Threads>(K + (long)next * D, min(BC, nkv - next), Kn);
+    T *Kn = Ks + (buf ^ Double) * BC * padded<T>(D), *Vn = Vs + (buf ^ Double) * BC * padded<T>(D);
+    if (Double && next < kv_end)
+      load_tile<D, BC, Threads>(K + (long)next * D, min(BC, nkv - next), Kn);
     if (!split && next < kv_end)
       load_tile<D, BC, Threads>(V + (long)next * D, min(BC, nkv - next), Vn);
-    __pipeline_commit();
-    /* K(t) has landed (and, not split, V(t)); V(t) and K(t + 1) may still be in flight */
-    __pipeline_wait_prior(split ? 2 : 1);
-    __syncthreads(); /* RAW: K(t) (the first time, Q too) is in shared memory; WAR, split: every
-                      * warp is done with P V(t - 1), so V(t + 1) may overwrite its buffer */
+    if (Double) __pipeline_commit();
+    /* K(t) has landed (and, not split, V(t)); V(t) and, double-buffered, K(t + 1) may still be
+     * in flight */
+    __pipeline_wait_prior(!Double ? 1 : split ? 2 : 1);
+    __syncthreads(); /* RAW: K(t) (the first time, Q too) is in shared memory; WAR, split and
+                      * double-buffered: every warp is done with P V(t - 1), so V(t + 1) may
+                      * overwrite its buffer */
     /* A tile past the first row's limit crosses the diagonal: each row keeps the columns it
      * sees, [j0, i + offset], which may be none. */
     bool diagonal = causal && j0 + cols - 1 > row0 + offset;
@@ -481,35 +509,84 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
     float s[RowFrags][BC / MmaN][4] = {};
     compute_qk_scores_and_max<D, BC>(Qw, Kt, cols, diagonal, i + offset + 1 - j0, s, m_blk);
     merge_block_stats<D>(m_blk, scale_log2, m, l, acc);
-    if (split && next < kv_end)
+    if (!Double) __syncthreads(); /* WAR: every warp is done with S = Q K(t)^T before K(t + 1) */
+    if (!Double && next < kv_end)
+      load_tile<D, BC, Threads>(K + (long)next * D, min(BC, nkv - next), Kn);
+    if (Double && split && next < kv_end)
       load_tile<D, BC, Threads>(V + (long)next * D, min(BC, nkv - next), Vn);
     __pipeline_commit();
-    __pipeline_wait_prior(2); /* V(t) has landed; K(t + 1) and V(t + 1) may still be in flight */
-    __syncthreads();          /* RAW: V(t) is in shared memory; WAR: every warp is done with
-                               * S = Q K(t)^T, so K(t + 2) may overwrite its buffer */
+    /* V(t) has landed; K(t + 1) (and, double-buffered, V(t + 1)) may still be in flight */
+    __pipeline_wait_prior(Double ? 2 : 1);
+    __syncthreads(); /* RAW: V(t) is in shared memory; WAR, double-buffered: every warp is done
+                      * with S = Q K(t)^T, so K(t + 2) may overwrite its buffer */
     compute_block_softmax_and_weighted_v<D, BC>(s, Vt, scale_log2, m, l, acc);
-    if (!split) __syncthreads(); /* WAR: every warp is done with V(t) before V(t + 2) */
+    if (!split || !Double)
+      __syncthreads(); /* WAR: every warp is done with V(t) before V(t + 2),
+                        * single-buffered V(t + 1) */
+    if (!Double) {
+      if (next < kv_end) load_tile<D, BC, Threads>(V + (long)next * D, min(BC, nkv - next), Vn);
+      __pipeline_commit();
+    }
   }
   __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
   normalize_output<D>(acc, m, l, scale_log2, o + (bh * nq + row0) * D, lse + bh * nq + row0,
                       nq - row0);
 }
 
+/* The forward's tiles for this GPU: of bc_for(d) keys or Bc_small, K and V double- or
+ * single-buffered, the configuration that fits the most blocks an SM (ForwardBlocksPerSm at
+ * most), the first of this order on a tie. So the H100 keeps double-buffered 64- and 128-key
+ * tiles (two blocks of 80 or 96 KiB share its 228 KiB); an A100 (164 KiB) single-buffers at
+ * d = 128; RTX 30 and 40 (100 KiB) single-buffer at every d, 32 keys at d = 128. With
+ * -DATTN_TILES_PER_SM=0, the choice by what fits one block alone (the README's A/B table). */
+#ifndef ATTN_TILES_PER_SM
+#define ATTN_TILES_PER_SM 1
+#endif
+struct forward_tiles {
+  int bc, buffers;
+};
+template <int D, typename T>
+static forward_tiles choose_forward_tiles() {
+  const forward_tiles candidates[] = {{bc_for(D), 2}, {bc_for(D), 1}, {Bc_small, 2}, {Bc_small, 1}};
+  forward_tiles best = candidates[0];
+  int best_blocks = -1;
+  for (forward_tiles c : candidates) {
+    size_t bytes = tile_bytes<T>(D, c.bc, Br, c.buffers);
+    if (!ATTN_TILES_PER_SM && c.buffers == 1) continue;
+    int blocks = bytes > attn_shared_memory_limit() ? 0
+                 : !ATTN_TILES_PER_SM               ? 1
+                                                    : attn_blocks_per_sm(bytes, ForwardBlocksPerSm);
+    if (blocks > best_blocks) best = c, best_blocks = blocks;
+  }
+  return best;
+}
+
+template <int D, int BC, int BUFFERS, typename T>
+static void launch_tiles(const attn_problem *p, const attn_buffers *t) {
+  size_t bytes = tile_bytes<T>(D, BC, Br, BUFFERS);
+  int heads = p->batch * p->heads;
+  dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
+  attn_require_shared_memory((const void *)flash_forward_kernel<D, BC, BUFFERS, T>, bytes,
+                             "flash_forward_kernel");
+  flash_forward_kernel<D, BC, BUFFERS>
+      <<<grid, threads_for(Br, row_frags(D)), bytes, attn_stream()>>>(
+          (const T *)t->q, (const T *)t->k, (const T *)t->v, (T *)t->o, t->lse, p->seq_q, p->seq_kv,
+          heads, p->scale, p->causal);
+  CHECK_LAUNCH("flash_forward_kernel");
+}
+
 /* fp16, or bf16 through launch<D, __nv_bfloat16>: the harness uploads the problem's dtype. */
-template <int D, typename T = __half, int BC = bc_for(D)>
+template <int D, typename T = __half>
 static void launch(const attn_problem *p, const attn_buffers *t) {
   if (p->dtype == DTYPE_BF16 && !std::is_same_v<T, __nv_bfloat16>)
     return launch<D, __nv_bfloat16>(p, t);
-  size_t bytes = tile_bytes<T>(D, BC, Br);
-  if (BC > Bc_small && bytes > attn_shared_memory_limit()) return launch<D, T, Bc_small>(p, t);
-  int heads = p->batch * p->heads;
-  dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
-  attn_require_shared_memory((const void *)flash_forward_kernel<D, BC, T>, bytes,
-                             "flash_forward_kernel");
-  flash_forward_kernel<D, BC><<<grid, threads_for(Br, row_frags(D)), bytes, attn_stream()>>>(
-      (const T *)t->q, (const T *)t->k, (const T *)t->v, (T *)t->o, t->lse, p->seq_q, p->seq_kv,
-      heads, p->scale, p->causal);
-  CHECK_LAUNCH("flash_forward_kernel");
+  forward_tiles tiles = choose_forward_tiles<D, T>();
+  if (tiles.bc == Bc_small)
+    tiles.buffers == 2 ? launch_tiles<D, Bc_small, 2, T>(p, t)
+                       : launch_tiles<D, Bc_small, 1, T>(p, t);
+  else
+    tiles.buffers == 2 ? launch_tiles<D, bc_for(D), 2, T>(p, t)
+                       : launch_tiles<D, bc_for(D), 1, T>(p, t);
 }
 
 static void forward(const attn_problem *p, const attn_buffers *t) {
@@ -563,10 +640,28 @@ static_assert(rows_bwd(Bc_bwd_small) % MmaK == 0 && Bc_dq % MmaK == 0, "whole k-
 /* Blocks of the dK/dV kernel that must fit an SM, which caps its registers: at d <= 64, 2
  * blocks of 4 warps (up to 255 registers: dK and dV of 32 keys take 128); at d = 128, 1 of 8. */
 __host__ __device__ constexpr int dkdv_blocks_per_sm(int d) { return d <= 64 ? 2 : 1; }
-/* Blocks of the dQ kernel that must fit an SM, with its Q and dO operands in registers: 4 at
+/* Blocks of the dQ kernel that must fit an H100's SM, with its Q and dO operands in registers: 4 at
  * d <= 64 (128 registers, an 8-byte spill; at d = 64 uncapped 132, 3 blocks) and 3 at d = 128
- * (168, a 108-byte spill; uncapped 178, 2 blocks). */
-__host__ __device__ constexpr int dq_blocks_per_sm(int d) { return d <= 64 ? 4 : 3; }
+ * (168, a 108-byte spill; uncapped 178, 2 blocks). A cap that makes room for more blocks than the
+ * SM's shared memory holds spills for nothing, so the architecture being compiled caps the count
+ * too: an A100 fits 2 blocks at d = 128, RTX 30 and 40 one (3 at d = 64), and there the registers
+ * are not capped below what those need. */
+__host__ __device__ constexpr int sm_shared_kib() { /* one SM's shared memory */
+#if defined(__CUDA_ARCH__) && \
+    (__CUDA_ARCH__ == 860 || __CUDA_ARCH__ == 890 || __CUDA_ARCH__ >= 1200)
+  return 100; /* sm_86, sm_89: RTX 30, 40; sm_120: RTX 50 */
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  return 164; /* sm_80: A100; sm_87 */
+#else
+  return 228; /* sm_90: H100, H200 (and the host's pass, which needs none) */
+#endif
+}
+constexpr int ReservedKib = 1; /* the shared memory an SM keeps for each block (sm_80 on) */
+__host__ __device__ constexpr int dq_blocks_per_sm(int d) {
+  int tile_kib = (int)((4 * Bc_dq + 2 * Br_dq) * padded<__half>(d) * sizeof(__half) + 1023) / 1024;
+  int fit = sm_shared_kib() / (tile_kib + ReservedKib), most = d <= 64 ? 4 : 3;
+  return fit < most ? fit : most;
+}
 
 /* dQ's atomics on sm_90 and later: a lane adds its two adjacent columns as one float2, so a
  * warp's atomic fills 8 whole 32-byte sectors of L2 where two of single floats send them half
@@ -576,12 +671,13 @@ __host__ __device__ constexpr int dq_blocks_per_sm(int d) { return d <= 64 ? 4 :
 #define ATTN_PAIRED_ATOMICS 1
 #endif
 
-/* D of every row, then, from a 16-byte boundary (the float2 atomics need 8), the fp32 dQ they
- * add into. */
+/* D of every row, then the bound on |dS| (DsStats floats), then, from a 16-byte boundary (the
+ * float2 atomics need 8), the fp32 dQ they add into. */
 static size_t delta_floats(size_t rows) { return (rows + 3) / 4 * 4; }
+constexpr int DsStats = 4; /* max |dO_i|^2 and max |V_j|^2, padded to 16 bytes */
 static size_t backward_workspace(const attn_problem *p) {
   return sizeof(float) *
-         (delta_floats(attn_lse_elems(p)) + (size_t)attn_lse_elems(p) * p->head_dim);
+         (delta_floats(attn_lse_elems(p)) + DsStats + (size_t)attn_lse_elems(p) * p->head_dim);
 }
 
 /* Shared memory of the dK/dV kernel: K and V (bc x d), double-buffered Q and dO tiles, LSE
@@ -598,15 +694,58 @@ static_assert(tile_bytes<__half>(128, Bc_small, Br) <= 99 * 1024 &&
                   dkdv_bytes<__half>(128, Bc_bwd_small) <= 99 * 1024,
               "every kernel has a configuration within the 99 KiB of sm_86 and sm_89");
 
+/* dS = P (dP - D) is rounded to the dtype for the dK and dQ products, and fp16 ends at 65504:
+ * with large V and dO and a small softmax scale |dS| passes that while the gradients stay
+ * small. D_i is a P-weighted mean of row i's dP, so |dP_ij - D_i| <= 2 max_j |dO_i . V_j|, and
+ * with P <= 1, |dS| <= 2 max|dO_i| max|V_j| (Euclidean norms of rows). In fp16 the kernels
+ * multiply dS by 2^-k before rounding it, k the least that brings this bound under 2^DsLimitLog2,
+ * and dK and dQ by 2^k after their fp32 sums: powers of two, so both steps are exact (bar
+ * elements that fall below fp16's normal range, 2^-14 of the bound and less). bf16 has fp32's
+ * range and needs none of it. */
+constexpr int DsLimitLog2 = 15; /* 2^15: half of fp16's range, leaving room for rounding */
+constexpr int DsMaxShift = 64;  /* norms of finite fp16 rows need far less */
+__device__ float ds_scale(const float *stats) {
+  if (!stats) return 1.f;
+  int e;
+  frexpf(2.f * sqrtf(stats[0]) * sqrtf(stats[1]), &e); /* the bound is below 2^e */
+  return ldexpf(1.f, -min(max(e - DsLimitLog2, 0), DsMaxShift));
+}
+
+/* The largest of x over the block into *out (x >= 0, so its bits order as unsigned integers;
+ * *out starts at 0): one atomic a block, not a thread. */
+__device__ void block_max_into(float x, float *out) {
+  __shared__ unsigned warp_max[32];
+  unsigned bits = __reduce_max_sync(0xffffffffu, __float_as_uint(x));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = bits;
+  __syncthreads(); /* RAW: every warp's maximum is in shared memory */
+  if (threadIdx.x < 32) {
+    bits = threadIdx.x < blockDim.x / 32 ? warp_max[threadIdx.x] : 0u;
+    bits = __reduce_max_sync(0xffffffffu, bits);
+    if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned *>(out), bits);
+  }
+}
+
 /* D_i = sum_c dO_ic O_ic, one thread per row. (It equals sum_j dP_ij P_ij: the backward of
- * the softmax needs exactly this dot product, and O = P V makes it a d-term sum.) */
+ * the softmax needs exactly this dot product, and O = P V makes it a d-term sum.) With
+ * `stats` (fp16), also max |dO_i|^2 and max |V_j|^2 into stats[0], stats[1] for ds_scale. */
 template <typename T>
-__global__ void compute_delta_kernel(const T *o, const T *d_o, float *delta, long rows, int d) {
+__global__ void compute_delta_kernel(const T *o, const T *d_o, const T *v, float *delta,
+                                     float *stats, long rows, long kv_rows, int d) {
   long r = blockIdx.x * (long)blockDim.x + threadIdx.x;
-  if (r >= rows) return;
-  float sum = 0.f;
-  for (int c = 0; c < d; c++) sum += float(d_o[r * d + c]) * float(o[r * d + c]);
-  delta[r] = sum;
+  float sum = 0.f, do_norm2 = 0.f, v_norm2 = 0.f;
+  if (r < rows) {
+    for (int c = 0; c < d; c++) {
+      float x = float(d_o[r * d + c]);
+      sum += x * float(o[r * d + c]), do_norm2 += x * x;
+    }
+    delta[r] = sum;
+  }
+  if (!stats) return;
+  if (r < kv_rows)
+    for (int c = 0; c < d; c++) v_norm2 += float(v[r * d + c]) * float(v[r * d + c]);
+  block_max_into(do_norm2, stats);
+  __syncthreads(); /* WAR: block_max_into's shared memory is read before it is reused */
+  block_max_into(v_norm2, stats + 1);
 }
 
 /* Copies `rows` rows of LSE and D into shared memory, by cp.async like the Q and dO tiles, not
@@ -623,19 +762,20 @@ __device__ void load_row_stats(const float *lse, const float *delta, int rows, i
   }
 }
 
-/* P = 2^(s scale log2(e) - LSE) (LSE in log2 units) and dS = P (dP - D) for the four
- * elements of an accumulator, as half an A operand (out[0] rows 0-7, out[1] rows 8-15). A
- * masked element is 0 without exp2, so a row that sees no key (LSE = -inf) makes no NaN. The
- * clamp P <= 1: an fp32 LSE of logits near 1e11 is known only to about 4096 (2^4096 = inf). */
+/* P = 2^(s scale log2(e) - LSE) (LSE in log2 units) and dS = P (dP - D) (times ds_scale in
+ * fp16) for the four elements of an accumulator, as half an A operand (out[0] rows 0-7, out[1] rows
+ * 8-15). A masked element is 0 without exp2, so a row that sees no key (LSE = -inf) makes no NaN.
+ * The clamp P <= 1: an fp32 LSE of logits near 1e11 is known only to about 4096 (2^4096 = inf). */
 template <typename T>
 __device__ void probabilities_and_ds(const float *s, const float *dp, float scale_log2,
                                      const float *lse, const float *delta, const bool *visible,
-                                     unsigned *p_out, unsigned *ds_out) {
+                                     float ds_scale, unsigned *p_out, unsigned *ds_out) {
   float p[4], ds[4];
 #pragma unroll
   for (int e = 0; e < 4; e++) {
     p[e] = visible[e] ? fminf(1.f, exp2_approx(fmaf(s[e], scale_log2, -lse[e]))) : 0.f;
     ds[e] = p[e] * (dp[e] - delta[e]);
+    if constexpr (std::is_same_v<T, __half>) ds[e] *= ds_scale; /* in fp16's range */
   }
   p_out[0] = pack2(p[0], p[1], T()), p_out[1] = pack2(p[2], p[3], T());
   ds_out[0] = pack2(ds[0], ds[1], T()), ds_out[1] = pack2(ds[2], ds[3], T());
@@ -715,19 +855,29 @@ __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
     flash_backward_dkdv_kernel(const T *__restrict__ q, const T *__restrict__ k,
                                const T *__restrict__ v, const T *__restrict__ d_o,
                                const float *__restrict__ lse, const float *__restrict__ delta,
-                               T *__restrict__ dk, T *__restrict__ dv, float *__restrict__ dq_accum,
-                               int nq, int nkv, int heads, float scale, int causal) {
+                               const float *__restrict__ ds_stats, T *__restrict__ dk,
+                               T *__restrict__ dv, float *__restrict__ dq_accum, int nq, int nkv,
+                               int heads, float scale, int causal) {
   constexpr int KeyFrags = WarpKeys / MmaM, Split = key_group_warps(D);
   constexpr int ld = padded<T>(D), Br_bwd = rows_bwd(BC), Threads = dkdv_threads(D, BC);
+  /* K, V (BC rows), Q, dO buffers (Br_bwd rows), then past LSE and D, dS^T and P^T (BC rows of
+   * Br_bwd): every tile starts on its swizzle period */
+  constexpr size_t ds_offset = /* dS^T of the tile, for dQ */
+      sizeof(T) * (2 * BC + 4 * Br_bwd) * ld + sizeof(float) * 4 * Br_bwd;
+  static_assert(starts_swizzle_period<D, T>(sizeof(T) * BC * ld) &&
+                    starts_swizzle_period<D, T>(sizeof(T) * Br_bwd * ld) &&
+                    starts_swizzle_period<Br_bwd, T>(ds_offset) &&
+                    starts_swizzle_period<Br_bwd, T>(sizeof(T) * BC * padded<T>(Br_bwd)),
+                "tile alignment");
   constexpr int WarpSteps = Br_bwd / Split / MmaK, Cols = D / Split; /* each warp's share */
   constexpr int QSteps = query_steps(D) < WarpSteps ? query_steps(D) : WarpSteps;
   static_assert(WarpSteps % QSteps == 0 && Cols % 16 == 0, "whole query steps and columns");
-  extern __shared__ __align__(256) float4 smem_bwd[];
+  extern __shared__ __align__(SharedAlignment) float4 smem_bwd[];
   T *Ks = reinterpret_cast<T *>(smem_bwd), *Vs = Ks + BC * ld;
   T *Qs = Vs + BC * ld, *dOs = Qs + 2 * Br_bwd * ld; /* Q and dO double-buffered */
   float *lse_s = reinterpret_cast<float *>(dOs + 2 * Br_bwd * ld), *delta_s = lse_s + 2 * Br_bwd;
-  T *dSt = reinterpret_cast<T *>(delta_s + 2 * Br_bwd); /* dS^T of the tile, for dQ */
-  T *Pt = dSt + BC * padded<T>(Br_bwd);                 /* P^T of the tile, if Split > 1 */
+  T *dSt = reinterpret_cast<T *>(reinterpret_cast<unsigned char *>(smem_bwd) + ds_offset);
+  T *Pt = dSt + BC * padded<T>(Br_bwd); /* P^T of the tile, if Split > 1 */
   /* Causal: key block 0 has the most query tiles, so blocks go by key block across heads,
    * heaviest first (the forward's order, mirrored; +5% at d = 128, N = 4096, else within 1%). */
   int key_blocks = (nkv + BC - 1) / BC;
@@ -741,7 +891,7 @@ __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
   const T *Q = q + bh * nq * D, *dO = d_o + bh * nq * D;
   load_kv_tile<D, BC, Threads>(k + (bh * nkv + j0) * D, v + (bh * nkv + j0) * D, cols, Ks, Vs);
   float dk_acc[KeyFrags][Cols / MmaN][4] = {}, dv_acc[KeyFrags][Cols / MmaN][4] = {};
-  const float scale_log2 = scale * Log2e;
+  const float scale_log2 = scale * Log2e, dss = ds_scale(ds_stats);
   /* Under the causal mask the first query that sees key j0 is j0 - offset: the query tiles
    * before it are skipped. */
   int i_begin = causal ? max(0, j0 - offset) : 0;
@@ -809,7 +959,7 @@ __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
                 visible[e] = i < nq && j < nkv && (!causal || j <= i + offset);
               }
             probabilities_and_ds<T>(s[q][f][half], dp[q][f][half], scale_log2, lse_e, delta_e,
-                                    visible, p_frag[f] + 2 * half, ds_frag[f] + 2 * half);
+                                    visible, dss, p_frag[f] + 2 * half, ds_frag[f] + 2 * half);
 #pragma unroll
             for (int h = 0; h < 2; h++) { /* rows g and g + 8 of the fragment's keys */
               int at = swizzle<Br_bwd, T>(jw - j0 + f * MmaM + g + 8 * h, col);
@@ -841,7 +991,7 @@ __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
   __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
   float dk_factor[2 * KeyFrags], dv_factor[2 * KeyFrags];
 #pragma unroll
-  for (int h = 0; h < 2 * KeyFrags; h++) dk_factor[h] = scale, dv_factor[h] = 1.f;
+  for (int h = 0; h < 2 * KeyFrags; h++) dk_factor[h] = scale / dss, dv_factor[h] = 1.f;
   store_tile<Cols, KeyFrags>(dk_acc, dk_factor, dk + (bh * nkv + jw) * D + c0, nkv - jw, D);
   store_tile<Cols, KeyFrags>(dv_acc, dv_factor, dv + (bh * nkv + jw) * D + c0, nkv - jw, D);
 }
@@ -854,11 +1004,15 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
     flash_backward_dq_kernel(const T *__restrict__ q, const T *__restrict__ k,
                              const T *__restrict__ v, const T *__restrict__ d_o,
                              const float *__restrict__ lse, const float *__restrict__ delta,
-                             T *__restrict__ dq, int nq, int nkv, int heads, float scale,
-                             int causal) {
+                             const float *__restrict__ ds_stats, T *__restrict__ dq, int nq,
+                             int nkv, int heads, float scale, int causal) {
   constexpr int ld = padded<T>(D), Br = Br_dq, Bc = Bc_dq; /* this kernel's own tiles */
+  /* K and V buffers (Bc rows), Q and dO (Br rows): each starts on its swizzle period */
+  static_assert(starts_swizzle_period<D, T>(sizeof(T) * Bc * ld) &&
+                    starts_swizzle_period<D, T>(sizeof(T) * Br * ld),
+                "tile alignment");
   constexpr int Threads = threads_for(Br);
-  extern __shared__ __align__(256) float4 smem[];
+  extern __shared__ __align__(SharedAlignment) float4 smem[];
   T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + 2 * Bc * ld, *Qs = Vs + 2 * Bc * ld;
   T *dOs = Qs + Br * ld;
   int row_blocks = (nq + Br - 1) / Br;
@@ -872,7 +1026,7 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
   /* The warp's Q and dO rows as A operands, read once from shared memory: the same 16 rows
    * meet every key tile, and reloading them would double the ldmatrix reads of S and dP. */
   unsigned q_frag[D / MmaK][4], do_frag[D / MmaK][4];
-  const float scale_log2 = scale * Log2e;
+  const float scale_log2 = scale * Log2e, dss = ds_scale(ds_stats);
   load_kv_tile<D, Br, Threads>(q + (bh * nq + i0) * D, d_o + (bh * nq + i0) * D, min(Br, nq - i0),
                                Qs, dOs);
   /* LSE (log2 units) and D of the lane's two rows, in registers; rows past the end get 0. */
@@ -921,7 +1075,7 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
             int i = iw + g + 8 * (e / 2), j = j0 + n2 * 16 + half * MmaN + 2 * tq + e % 2;
             visible[e] = i < nq && j < nkv && (!causal || j <= i + offset);
           }
-        probabilities_and_ds<T>(s[half], dp[half], scale_log2, lse_e, delta_e, visible,
+        probabilities_and_ds<T>(s[half], dp[half], scale_log2, lse_e, delta_e, visible, dss,
                                 p_frag + 2 * half, ds_frag + 2 * half);
       }
       mma_tile<D, true, D>(dq_acc, &ds_frag, Kt, n2 * 16, 0);
@@ -929,20 +1083,22 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
     __syncthreads(); /* WAR: every row is done with the tile before the next load overwrites it */
   }
   __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
-  const float dq_factor[2] = {scale, scale};
+  const float dq_factor[2] = {scale / dss, scale / dss};
   store_tile<D, 1>(dq_acc, dq_factor, dq + (bh * nq + iw) * D, nq - iw);
 }
 
-/* dQ = scale times the fp32 sums the dK/dV kernel added up, in the dtype. */
+/* dQ = scale times the fp32 sums the dK/dV kernel added up (of dS times ds_scale), in the
+ * dtype. */
 template <typename T>
-__global__ void convert_dq_kernel(const float *dq_accum, T *dq, long elems, float scale) {
+__global__ void convert_dq_kernel(const float *dq_accum, const float *ds_stats, T *dq, long elems,
+                                  float scale) {
   long e = blockIdx.x * (long)blockDim.x + threadIdx.x;
-  if (e < elems) dq[e] = T(scale * dq_accum[e]);
+  if (e < elems) dq[e] = T(scale / ds_scale(ds_stats) * dq_accum[e]);
 }
 
 template <int D, int BC, bool AtomicDq, typename T>
 static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const float *delta,
-                        float *dq_accum) {
+                        const float *ds_stats, float *dq_accum) {
   int heads = p->batch * p->heads;
   attn_require_shared_memory((const void *)flash_backward_dkdv_kernel<D, BC, AtomicDq, T>,
                              dkdv_bytes<T>(D, BC), "flash_backward_dkdv_kernel");
@@ -950,7 +1106,8 @@ static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const floa
   flash_backward_dkdv_kernel<D, BC, AtomicDq>
       <<<key_blocks, dkdv_threads(D, BC), dkdv_bytes<T>(D, BC), attn_stream()>>>(
           (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
-          (T *)t->dk, (T *)t->dv, dq_accum, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
+          ds_stats, (T *)t->dk, (T *)t->dv, dq_accum, p->seq_q, p->seq_kv, heads, p->scale,
+          p->causal);
   CHECK_LAUNCH("flash_backward_dkdv_kernel");
 }
 
@@ -959,28 +1116,32 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   if (p->dtype == DTYPE_BF16 && !std::is_same_v<T, __nv_bfloat16>)
     return launch_backward<D, __nv_bfloat16>(p, t);
   int heads = p->batch * p->heads;
-  long rows = (long)heads * p->seq_q;
+  long rows = (long)heads * p->seq_q, kv_rows = (long)heads * p->seq_kv;
   float *delta = (float *)t->workspace;
+  /* The bound on |dS| in fp16 only (ds_scale); bf16 passes none. */
+  float *ds_stats = std::is_same_v<T, __half> ? delta + delta_floats(rows) : nullptr;
+  if (ds_stats) CUDA_CHECK(cudaMemsetAsync(ds_stats, 0, sizeof(float) * DsStats, attn_stream()));
   const int delta_threads = 256; /* a memory-bound pass: any full-warp count will do */
-  compute_delta_kernel<<<(unsigned)((rows + delta_threads - 1) / delta_threads), delta_threads, 0,
-                         attn_stream()>>>((const T *)t->o, (const T *)t->d_o, delta, rows, D);
+  long delta_grid = ((ds_stats ? max(rows, kv_rows) : rows) + delta_threads - 1) / delta_threads;
+  compute_delta_kernel<<<(unsigned)delta_grid, delta_threads, 0, attn_stream()>>>(
+      (const T *)t->o, (const T *)t->d_o, (const T *)t->v, delta, ds_stats, rows, kv_rows, D);
   CHECK_LAUNCH("compute_delta_kernel");
   /* dQ by atomics from the dK/dV kernel (five products a tile), or, with
    * ATTN_DETERMINISTIC=1, by the dQ kernel (seven, every bit the same run after run). */
   bool atomic_dq = !attn_deterministic();
-  float *dq_accum = delta + delta_floats(rows);
+  float *dq_accum = delta + delta_floats(rows) + DsStats;
   long dq_elems = rows * D;
   if (atomic_dq) CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, sizeof(float) * dq_elems, attn_stream()));
   bool big = dkdv_bytes<T>(D, Bc_bwd) <= attn_shared_memory_limit();
-  if (atomic_dq && big) launch_dkdv<D, Bc_bwd, true, T>(p, t, delta, dq_accum);
-  if (atomic_dq && !big) launch_dkdv<D, Bc_bwd_small, true, T>(p, t, delta, dq_accum);
-  if (!atomic_dq && big) launch_dkdv<D, Bc_bwd, false, T>(p, t, delta, dq_accum);
-  if (!atomic_dq && !big) launch_dkdv<D, Bc_bwd_small, false, T>(p, t, delta, dq_accum);
+  if (atomic_dq && big) launch_dkdv<D, Bc_bwd, true, T>(p, t, delta, ds_stats, dq_accum);
+  if (atomic_dq && !big) launch_dkdv<D, Bc_bwd_small, true, T>(p, t, delta, ds_stats, dq_accum);
+  if (!atomic_dq && big) launch_dkdv<D, Bc_bwd, false, T>(p, t, delta, ds_stats, dq_accum);
+  if (!atomic_dq && !big) launch_dkdv<D, Bc_bwd_small, false, T>(p, t, delta, ds_stats, dq_accum);
   if (atomic_dq) {
     const int convert_threads = 256; /* a memory-bound pass: any full-warp count will do */
     convert_dq_kernel<<<(unsigned)((dq_elems + convert_threads - 1) / convert_threads),
-                        convert_threads, 0, attn_stream()>>>(dq_accum, (T *)t->dq, dq_elems,
-                                                             p->scale);
+                        convert_threads, 0, attn_stream()>>>(dq_accum, ds_stats, (T *)t->dq,
+                                                             dq_elems, p->scale);
     CHECK_LAUNCH("convert_dq_kernel");
     return;
   }
@@ -989,7 +1150,7 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
                              "flash_backward_dq_kernel");
   unsigned row_blocks = (unsigned)((p->seq_q + Br_dq - 1) / Br_dq * heads);
   flash_backward_dq_kernel<D><<<row_blocks, threads_for(Br_dq), dq_bytes, attn_stream()>>>(
-      (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
+      (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta, ds_stats,
       (T *)t->dq, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_backward_dq_kernel");
 }

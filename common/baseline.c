@@ -11,6 +11,17 @@
 
 #include "baseline.h"
 
+/* x rounded to the dtype's precision with the exponent range it needs: the kernels keep dS
+ * inside fp16's range by an exact power-of-two scaling (docs/conventions.md section 2), so the
+ * baseline's dS must not overflow where theirs does not. */
+static float round_unbounded(float x, attn_dtype t) {
+  const int limit_log2 = 15; /* 2^15: well inside fp16's range */
+  int e;
+  frexpf(x, &e);
+  int shift = e > limit_log2 ? e - limit_log2 : 0;
+  return ldexpf(attn_round_to_dtype(ldexpf(x, -shift), t), shift);
+}
+
 /* p_row[j] = softmax of the logits row i of sequence b sees, rounded to the dtype; returns the
  * count of visible keys and sets *lse (-inf when none). */
 static int baseline_probabilities(const attn_problem *p, const float *q_row, const float *K, long b,
@@ -79,7 +90,7 @@ void baseline_backward(const attn_problem *p, const float *q, const float *k, co
       }
       memset(dq_row, 0, sizeof(float) * (size_t)d);
       for (int j = 0; j < visible; j++) {
-        float dS = attn_round_to_dtype(P[j] * (dP[j] - row_dot), p->dtype);
+        float dS = round_unbounded(P[j] * (dP[j] - row_dot), p->dtype);
         for (int c = 0; c < d; c++) {
           dV[(size_t)j * d + c] += P[j] * dO_i[c];
           dq_row[c] += dS * K[(size_t)j * d + c];

@@ -18,6 +18,19 @@ void attn_cuda_check(cudaError_t err, const char *what, const char *file, int li
             code == EXIT_BAD_USAGE ? " (the problem is too large for device memory)" : "");
 }
 
+/* A byte count from the environment variable `name`, or 0 when it is unset or empty. */
+static size_t env_bytes(const char *name) {
+  const char *text = getenv(name);
+  if (!text || !*text) return 0;
+  char *end;
+  errno = 0;
+  unsigned long long v = strtoull(text, &end, 10);
+  /* strtoull skips spaces and negates a '-' after them: " -5" would be 2^64 - 5 */
+  if (errno || end == text || *end || strchr(text, '-') || v == 0)
+    attn_fail(EXIT_BAD_USAGE, "%s must be a positive byte count, got '%s'", name, text);
+  return (size_t)v;
+}
+
 size_t attn_shared_memory_limit(void) {
   int device, optin;
   CUDA_CHECK(cudaGetDevice(&device));
@@ -25,18 +38,25 @@ size_t attn_shared_memory_limit(void) {
   size_t limit = (size_t)optin;
   /* A large GPU can stand in for a small one: the tests set this to 99 KiB (sm_86, sm_89)
    * and 163 KiB (sm_80) so that the configuration those GPUs get is tested on any GPU. */
-  const char *text = getenv("ATTN_SHARED_MEMORY_LIMIT");
-  if (text && *text) {
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(text, &end, 10);
-    /* strtoull skips spaces and negates a '-' after them: " -5" would be 2^64 - 5 */
-    if (errno || end == text || *end || strchr(text, '-') || v == 0)
-      attn_fail(EXIT_BAD_USAGE, "ATTN_SHARED_MEMORY_LIMIT must be a positive byte count, got '%s'",
-                text);
-    if (v < limit) limit = (size_t)v;
-  }
+  size_t asked = env_bytes("ATTN_SHARED_MEMORY_LIMIT");
+  if (asked && asked < limit) limit = asked;
   return limit;
+}
+
+size_t attn_shared_memory_per_sm(void) {
+  int device, per_sm;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  size_t limit = (size_t)per_sm, asked = env_bytes("ATTN_SHARED_MEMORY_PER_SM");
+  return asked && asked < limit ? asked : limit;
+}
+
+int attn_blocks_per_sm(size_t bytes, int max_blocks) {
+  int device, reserved;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device));
+  size_t fit = attn_shared_memory_per_sm() / (bytes + (size_t)reserved);
+  return fit < (size_t)max_blocks ? (int)fit : max_blocks;
 }
 
 /* Per thread, like the stream below: PyTorch runs backward passes on threads of its own. */
@@ -77,6 +97,17 @@ void attn_require_shared_memory(const void *kernel, size_t bytes, const char *ke
               kernel_name, bytes, limit);
   /* Above 48 KiB a kernel must opt in explicitly. */
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+  /* Standing in for a GPU of less shared memory per SM: the carveout, a percentage of the
+   * largest, rounded down, since the driver rounds it up to the next capacity the SM has
+   * (on Hopper 100 KiB and 164 KiB among them, the sm_86/89 and sm_80 figures). */
+  if (size_t per_sm = env_bytes("ATTN_SHARED_MEMORY_PER_SM")) {
+    int device, most;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    int percent = per_sm >= (size_t)most ? 100 : (int)(per_sm * 100 / (size_t)most);
+    CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, percent));
+  }
 }
 
 static cudaEvent_t timer_begin, timer_end;

@@ -21,6 +21,17 @@ void attn_cuda_check(cudaError_t err, const char *what, const char *file, int li
  * tile for a smaller GPU can be exercised on a larger one. */
 size_t attn_shared_memory_limit(void);
 
+/* The shared memory of one SM on this device, in bytes; the environment variable
+ * ATTN_SHARED_MEMORY_PER_SM lowers it (never raises it) and, for every kernel that
+ * attn_require_shared_memory sets up, lowers the SM's carveout to match: with
+ * ATTN_SHARED_MEMORY_LIMIT, a large GPU then stands in for a smaller one (A100: 163 KiB a
+ * block, 164 an SM; RTX 30 and 40: 99 and 100). */
+size_t attn_shared_memory_per_sm(void);
+/* How many blocks of `bytes` dynamic shared memory fit one SM (each also holds the
+ * per-block reserve the device keeps), at most `max_blocks`: a stage chooses its tiles so that
+ * as many blocks as its registers allow share an SM. */
+int attn_blocks_per_sm(size_t bytes, int max_blocks);
+
 /* Whether the environment variable ATTN_DETERMINISTIC is 1, or the calling thread asked for
  * determinism (attn_set_deterministic): a stage whose backward adds dQ by fp32 atomics (in an
  * order that changes from run to run, and so do dQ's last bits) then takes its deterministic
