@@ -41,19 +41,34 @@ __device__ void load_kv_tile(const float *K, const float *V, int cols, float *Ks
   }
 }
 
+/* Threads that share one row of the backward. A backward thread keeps three d-vectors in
+ * registers (q, dO, dQ; or k-side dK, dV); at d = 128 that is 384 floats, and ptxas put
+ * them in local memory (2.9 KB stack, 1.04 TFLOP/s). Two threads per row at d = 128 keep
+ * d = 64's footprint: thread `part` owns the columns c * lanes + part (interleaved, so the
+ * pair reads neighbouring shared-memory words: different banks), and the two halves of each
+ * dot product meet through one warp shuffle. */
+__host__ __device__ constexpr int row_lanes(int d) { return d > 64 ? 2 : 1; }
+
 /* s[j] = scale q . k_j for the tile's keys; m_blk = their max. Every thread of a warp reads
- * the same K row at the same time, so each shared-memory load is one broadcast. */
+ * the same K row at the same time, so each shared-memory load is one broadcast. The dot
+ * product is summed in the backward's order (row_lanes(D) interleaved partial sums, then
+ * added) and scale * dot is never fused into a later add (__fmul_rn): the backward then
+ * recomputes every logit bit for bit, so a row with one visible key gets P = 1 exactly. */
 template <int D>
 __device__ void compute_qk_scores_and_max(const float *q, const float *K, int cols, float scale,
                                           float *s, float &m_blk) {
+  constexpr int LANES = row_lanes(D);
+  static_assert(LANES <= 2, "for more lanes, add the partial sums in the shuffles' order");
   m_blk = -INFINITY;
 #pragma unroll
   for (int j = 0; j < Bc; j++) {
     if (j < cols) {
-      float dot = 0.f;
+      float dot[LANES] = {};
 #pragma unroll
-      for (int c = 0; c < D; c++) dot += q[c] * K[j * D + c];
-      s[j] = scale * dot;
+      for (int c = 0; c < D; c++) dot[c % LANES] += q[c] * K[j * D + c];
+#pragma unroll
+      for (int w = 1; w < LANES; w++) dot[0] += dot[w];
+      s[j] = __fmul_rn(scale, dot[0]);
       m_blk = fmaxf(m_blk, s[j]);
     }
   }
@@ -163,14 +178,6 @@ static void forward(const attn_problem *p, const attn_buffers *t) {
 
 /* ---- the backward ------------------------------------------------------------------ */
 
-/* Threads that share one row of the backward. A backward thread keeps three d-vectors in
- * registers (q, dO, dQ; or k-side dK, dV); at d = 128 that is 384 floats, and ptxas put
- * them in local memory (2.9 KB stack, 1.04 TFLOP/s). Two threads per row at d = 128 keep
- * d = 64's footprint: thread `part` owns the columns c * lanes + part (interleaved, so the
- * pair reads neighbouring shared-memory words: different banks), and the two halves of each
- * dot product meet through one warp shuffle. */
-__host__ __device__ constexpr int row_lanes(int d) { return d > 64 ? 2 : 1; }
-
 /* Sum of a dot product's partial sums over the lanes of a row (lanes are adjacent in the
  * warp). Every thread of the warp must call this: the shuffle names the whole warp. */
 template <int LANES>
@@ -191,6 +198,11 @@ constexpr int Bc_bwd_small = 64;
  * tiles plus these) at 144 KiB for d = 128, under the 227 KiB opt-in limit of sm_90 and the 163 KiB
  * of sm_80. */
 constexpr int Br_bwd = 16;
+/* Query tiles summed in registers before the sum is added into dK and dV in global memory (a
+ * two-level sum, 128 queries to a register partial). One running register sum over every
+ * query gained a rounding error per query on a sum that keeps growing: at Nq ~ 1000 its dK
+ * error reached about 2x that of PyTorch's blocked fp32 matmuls. */
+constexpr int Tiles_per_partial = 8;
 
 static size_t backward_workspace(const attn_problem *p) {
   return sizeof(float) * attn_lse_elems(p);
@@ -203,14 +215,20 @@ static size_t dkdv_bytes(int d, int bc) {
 }
 
 /* D_i = sum_c dO_ic O_ic, one thread per row. (It equals sum_j dP_ij P_ij: the backward of
- * the softmax needs exactly this dot product, and O = P V makes it a d-term sum.) */
-__global__ void compute_delta_kernel(const float *o, const float *d_o, float *delta, long rows,
-                                     int d) {
+ * the softmax needs exactly this dot product, and O = P V makes it a d-term sum.) Summed in
+ * the order the backward sums dP_ij = dO_i . V_j (row_lanes(D) interleaved partial sums):
+ * on a row with one visible key O_i = V_j exactly, and dS_ij = P_ij (dP_ij - D_i) is then
+ * exactly 0, as in exact arithmetic, instead of rounding noise as large as the gradient. */
+template <int D>
+__global__ void compute_delta_kernel(const float *o, const float *d_o, float *delta, long rows) {
+  constexpr int LANES = row_lanes(D);
   long r = blockIdx.x * (long)blockDim.x + threadIdx.x;
   if (r >= rows) return;
-  float sum = 0.f;
-  for (int c = 0; c < d; c++) sum += d_o[r * d + c] * o[r * d + c];
-  delta[r] = sum;
+  float sum[LANES] = {};
+  for (int c = 0; c < D; c++) sum[c % LANES] += d_o[r * D + c] * o[r * D + c];
+#pragma unroll
+  for (int w = 1; w < LANES; w++) sum[0] += sum[w];
+  delta[r] = sum[0];
 }
 
 /* Where column c of key `key` lives in the transposed K and V tiles: [c / lanes][key][lane],
@@ -218,6 +236,20 @@ __global__ void compute_delta_kernel(const float *o, const float *d_o, float *de
 template <int LANES, int BC>
 __device__ int transposed_index(int c, int key) {
   return ((c / LANES) * BC + key) * LANES + c % LANES;
+}
+
+/* dst += factor * acc over a thread's Dp columns (dst = factor * acc for the first partial,
+ * since dst holds nothing yet); acc restarts from zero for the next partial. */
+template <int Dp, int LANES>
+__device__ void add_partial_sum(float *dst, float *acc, float factor, bool first) {
+#pragma unroll
+  for (int c = 0; c < Dp; c++) {
+    if (first)
+      dst[c * LANES] = factor * acc[c];
+    else
+      dst[c * LANES] += factor * acc[c];
+    acc[c] = 0.f;
+  }
 }
 
 /* row_lanes(D) threads per key j of the block's BC keys (Bc_bwd, or Bc_bwd_small where shared
@@ -254,6 +286,9 @@ __global__ void __launch_bounds__(row_lanes(D) * BC)
   /* Under the causal mask the first query that sees key j0 is j0 - offset: the query tiles
    * before it are skipped. */
   int i_begin = causal ? max(0, j0 - offset) : 0;
+  float *dk_j = dk + (bh * nkv + j) * D + part, *dv_j = dv + (bh * nkv + j) * D + part;
+  bool first = true;
+  int tiles = 0; /* tiles in the register partial sums */
   for (int i0 = i_begin; i0 < nq; i0 += Br_bwd) {
     int rows = min(Br_bwd, nq - i0);
     __syncthreads(); /* WAR: every thread is done with the previous Q/dO tile (and, the first
@@ -275,9 +310,10 @@ __global__ void __launch_bounds__(row_lanes(D) * BC)
 #pragma unroll
       for (int c = 0; c < Dp; c++) s += Q_r[c * LANES] * K_j[c * BC * LANES];
       s = sum_over_row_lanes<LANES>(s);
-      /* P from the saved LSE; a masked entry is 0 (and exp is never asked for it, so a row
+      /* P from the saved LSE, the logit rounded as the forward rounded it (__fmul_rn: no fma
+       * with the subtraction); a masked entry is 0 (and exp is never asked for it, so a row
        * that sees no key, LSE = -inf, cannot make a NaN). */
-      float prob = visible ? expf(scale * s - lse_s[r]) : 0.f;
+      float prob = visible ? expf(__fmul_rn(scale, s) - lse_s[r]) : 0.f;
 #pragma unroll
       for (int c = 0; c < Dp; c++) {
         dv_acc[c] += prob * dO_r[c * LANES];
@@ -287,13 +323,19 @@ __global__ void __launch_bounds__(row_lanes(D) * BC)
 #pragma unroll
       for (int c = 0; c < Dp; c++) dk_acc[c] += ds * Q_r[c * LANES];
     }
-  }
-  if (j < nkv) {
-#pragma unroll
-    for (int c = 0; c < Dp; c++) {
-      dk[(bh * nkv + j) * D + c * LANES + part] = scale * dk_acc[c];
-      dv[(bh * nkv + j) * D + c * LANES + part] = dv_acc[c];
+    /* Every Tiles_per_partial tiles the register partial sums go to dK and dV. */
+    if (++tiles == Tiles_per_partial) {
+      if (j < nkv) {
+        add_partial_sum<Dp, LANES>(dk_j, dk_acc, scale, first);
+        add_partial_sum<Dp, LANES>(dv_j, dv_acc, 1.f, first);
+      }
+      first = false, tiles = 0;
     }
+  }
+  /* The last partial sums; a key that no query sees writes its zeros here. */
+  if (j < nkv && (tiles > 0 || first)) {
+    add_partial_sum<Dp, LANES>(dk_j, dk_acc, scale, first);
+    add_partial_sum<Dp, LANES>(dv_j, dv_acc, 1.f, first);
   }
 }
 
@@ -343,7 +385,7 @@ __global__ void __launch_bounds__(row_lanes(D) * Br)
       }
       s = sum_over_row_lanes<LANES>(s);
       dp = sum_over_row_lanes<LANES>(dp);
-      float ds = j < row_cols ? expf(scale * s - lse_i) * (dp - delta_i) : 0.f;
+      float ds = j < row_cols ? expf(__fmul_rn(scale, s) - lse_i) * (dp - delta_i) : 0.f;
 #pragma unroll
       for (int c = 0; c < Dp; c++) dq_acc[c] += ds * K_j[c * LANES];
     }
@@ -375,9 +417,9 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   long rows = (long)heads * p->seq_q;
   float *delta = (float *)t->workspace;
   const int delta_threads = 256; /* a memory-bound pass: any full-warp count will do */
-  compute_delta_kernel<<<(unsigned)((rows + delta_threads - 1) / delta_threads), delta_threads, 0,
-                         attn_stream()>>>((const float *)t->o, (const float *)t->d_o, delta, rows,
-                                          D);
+  unsigned delta_blocks = (unsigned)((rows + delta_threads - 1) / delta_threads);
+  compute_delta_kernel<D><<<delta_blocks, delta_threads, 0, attn_stream()>>>(
+      (const float *)t->o, (const float *)t->d_o, delta, rows);
   CHECK_LAUNCH("compute_delta_kernel");
   if (dkdv_bytes(D, Bc_bwd) <= attn_shared_memory_limit())
     launch_dkdv<D, Bc_bwd>(p, t, delta);
