@@ -545,7 +545,8 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
  *     helpers update, told the block's row fragments; at the end they are merged into the
  *     chunk's partial O (fp32, normalised) and LSE, written to the workspace;
  *   - merge_chunks_kernel combines a row's chunks by their LSE, stage 02's merge of partial
- *     softmaxes, in a fixed order: no atomics, every run gives the same bits.
+ *     softmaxes, in a fixed order: no atomics, every run of a problem gives the same bits (a
+ *     sequence alone and in a batch, only in the batch-invariant mode: see plan_chunks).
  * The rule: a problem takes this path when one block's rows hold its group's G Nq query rows
  * (G Nq <= decode_rows(d): 16 at d <= 64, 32 at d = 128), so that K and V are read once;
  * any other problem takes 09's path above, which has GQA and cache lengths too. */
@@ -605,12 +606,46 @@ __host__ __device__ constexpr size_t decode_bytes(int d, int stages) {
 #endif
 constexpr int DecodeBlocksPerSm = ATTN_DECODE_BLOCKS_PER_SM, MinChunkKeys = 2 * DecodeKeys;
 
+/* Batch invariance (ATTN_DECODE_BATCH_INVARIANT=1). The rule reads the SM count, B Hkv and
+ * Lmax, so a sequence's chunks, and with them the order in which its keys' sums are added,
+ * depend on the batch it is decoded in: alone and inside a batch, its O and LSE may differ in
+ * their last bits (both within the fp16 rule). Serving systems ask for the same bits whatever
+ * else shares the batch. In the mode, sequence b's O and LSE are a function of its own Q, K,
+ * V and L_b (and of H, Hkv, Nq, d, the dtype, the scale and causal) alone:
+ *   - chunks of BatchInvariantChunkKeys keys, whatever the batch and the GPU
+ *     (ATTN_DECODE_CHUNK_KEYS, as fixed, still sets another length);
+ *   - the merge always runs, also where every sequence has one chunk: a sequence of one
+ *     chunk then takes one path (its partial, then the merge) whether the batch's longest
+ *     cache has one chunk or many, instead of the decode block writing O itself in one case
+ *     and the merge in the other;
+ *   - the rest does not depend on the batch already: a decode block's rows are the G Nq query
+ *     rows of its K/V head, its keys start at c chunk_keys, the merge takes a row's
+ *     ceil(L_b / chunk_keys) chunks in an order set by that count and by d (its Ways), and the
+ *     grid's count of chunks, ceil(Lmax / chunk_keys), only places the partials in the
+ *     workspace (a chunk past L_b writes nothing, and nothing reads it).
+ * 09's path (G Nq past decode_rows) is batch-invariant without the mode: a block for 128 query
+ * rows of one head streams that head's cache from key 0 to its end, whatever the grid.
+ * The length: 1024 keys, from the H100's chunk sweep (above; decode_chunks.tsv, the benchmark's
+ * shapes, Hkv = 8). Long enough that a chunk streams efficiently: within 5% of the best forced
+ * length wherever B >= 8 or L >= 32k, where 512 keys cost 7-10% (B = 1 at 32k and 128k, B = 32
+ * at 1k and 2k: a block's fixed costs over 8 tiles). Short enough that B = 1 still gives about
+ * every SM of an H100 or H200 (132) a block from L = 16k on (B Hkv L / 1024 = 128 blocks there),
+ * where 2048 keys leave at least half of them idle below 32k (80% slower at 8k). The price falls
+ * on B = 1 with short caches, which the rule splits finer (1k, one chunk: 0.024 ms against
+ * 0.011; 4k: 0.027 against 0.017), and on batches of one chunk a sequence, which gain the
+ * merge. */
+constexpr int BatchInvariantChunkKeys = 16 * DecodeKeys;
+static_assert(BatchInvariantChunkKeys % DecodeKeys == 0, "a chunk is whole tiles");
+
+/* merge: whether merge_chunks_kernel follows, the decode blocks writing partials; without it
+ * (one chunk a sequence, outside the batch-invariant mode) they write O and LSE themselves. */
 struct decode_plan {
   int chunk_keys, chunks;
+  bool merge;
 };
 
-/* The chunk rule above on a GPU of `sms` SMs. Plain host arithmetic, so that the workspace
- * and the launch agree and a test can call it. */
+/* The chunk rule above on a GPU of `sms` SMs, or the batch-invariant mode's fixed chunks.
+ * Plain host arithmetic, so that the workspace and the launch agree and a test can call it. */
 static decode_plan plan_chunks(const attn_problem *p, long sms) {
   int lmax = 0;
   for (int b = 0; b < p->batch; b++) lmax = max(lmax, attn_cache_len(p, b));
@@ -619,6 +654,8 @@ static decode_plan plan_chunks(const attn_problem *p, long sms) {
   chunks = max(1L, min(chunks, (long)(lmax / MinChunkKeys)));
   long keys = (lmax + chunks - 1) / chunks;
   keys = max((long)DecodeKeys, (keys + DecodeKeys - 1) / DecodeKeys * DecodeKeys);
+  bool invariant = attn_decode_batch_invariant();
+  if (invariant) keys = BatchInvariantChunkKeys;
   if (int forced = attn_decode_chunk_keys()) {
     if (forced % DecodeKeys != 0)
       attn_fail(EXIT_BAD_USAGE,
@@ -627,7 +664,8 @@ static decode_plan plan_chunks(const attn_problem *p, long sms) {
                 DecodeKeys, forced);
     keys = forced;
   }
-  return {(int)keys, (int)max(1L, (lmax + keys - 1) / keys)};
+  chunks = max(1L, (lmax + keys - 1) / keys);
+  return {(int)keys, (int)chunks, invariant || chunks > 1};
 }
 
 /* The block's warps hold a running max m_w, sum l_w and unnormalised O_w for the same rows
@@ -719,7 +757,7 @@ __global__ void __launch_bounds__(DecodeThreads, 2)
                         const int *__restrict__ cache_lens, float *__restrict__ part_o,
                         float *__restrict__ part_lse, T *__restrict__ o, float *__restrict__ lse,
                         int nq, int nkv, int heads_kv, int group, int chunk_keys, int chunks,
-                        float scale, int causal) {
+                        bool merge, float scale, int causal) {
   constexpr int RowFrags = FRAGS, LaneRows = 2 * RowFrags, Rows = FRAGS * MmaM;
   constexpr int BC = DecodeKeys, ld = padded<T>(D);
   extern __shared__ __align__(256) float4 smem[];
@@ -728,7 +766,7 @@ __global__ void __launch_bounds__(DecodeThreads, 2)
   long pair = blockIdx.x / chunks;
   int len = cache_lens ? cache_lens[pair / heads_kv] : nkv;
   int j_begin = (int)(blockIdx.x % chunks) * chunk_keys, j_end = min(len, j_begin + chunk_keys);
-  if (j_begin >= len && chunks > 1) return; /* past the cache: the merge reads nothing of it */
+  if (j_begin >= len && merge) return; /* past the cache: the merge reads nothing of it */
   int rows = group * nq, w = threadIdx.x / 32, g = threadIdx.x % 32 / Quad;
   const T *K = k + pair * nkv * D, *V = v + pair * nkv * D;
   float acc[RowFrags][D / MmaN][4] = {};
@@ -803,13 +841,12 @@ __global__ void __launch_bounds__(DecodeThreads, 2)
   }
   __pipeline_wait_prior(0); /* nothing is left in flight: the tiles' memory is reused below */
   __syncthreads();          /* WAR: every warp is done with the last K and V tiles (and Q) */
-  /* One chunk a sequence: the block's rows are the output's rows (b H + h) Nq + i, from
-   * (b Hkv + K/V head) G Nq on, and no merge follows. */
+  /* Without a merge (one chunk a sequence), the block's rows are the output's rows
+   * (b H + h) Nq + i, from (b Hkv + K/V head) G Nq on. */
   long first = (long)blockIdx.x * rows;
   merge_warps<D, FRAGS>(acc, m, l, scale_log2, reinterpret_cast<float *>(smem),
-                        chunks > 1 ? part_o + first * D : nullptr,
-                        chunks > 1 ? part_lse + first : nullptr,
-                        chunks > 1 ? nullptr : o + first * D, lse + first, rows);
+                        merge ? part_o + first * D : nullptr, merge ? part_lse + first : nullptr,
+                        merge ? nullptr : o + first * D, lse + first, rows);
 }
 
 /* Threads of a merge block, one block per output row: D / 4 groups of 4 columns (16 bytes of
@@ -843,7 +880,8 @@ __device__ void merge_into(merge_state &x, float m, float s, float4 a) {
  * chunks that hold keys of the sequence were written. A thread merges the chunks c = way,
  * way + Ways, ... of its 4 columns as they arrive, MergeBatch loads in flight at once (a
  * first pass for the max would wait for L2 once more); the Ways merges are then merged in
- * order of way. A fixed order: every run gives the same bits. */
+ * order of way. A fixed order, set by n and D alone: every run gives the same bits, and a row
+ * of the same n chunks merges the same way in any batch. */
 template <int D, typename T>
 __global__ void __launch_bounds__(MergeThreads)
     merge_chunks_kernel(const float *__restrict__ part_o, const float *__restrict__ part_lse,
@@ -910,9 +948,9 @@ static decode_plan plan_decode(const attn_problem *p) {
 }
 
 /* The decode path's workspace: each chunk's partial O (G Nq rows of d floats) and LSE; none
- * with one chunk a sequence. */
+ * without a merge. */
 static size_t decode_workspace(const attn_problem *p, decode_plan plan) {
-  if (plan.chunks == 1) return 0; /* the decode kernel writes O itself */
+  if (!plan.merge) return 0; /* the decode kernel writes O itself */
   return sizeof(float) * (size_t)p->batch * attn_heads_kv(p) * plan.chunks * attn_group(p) *
          p->seq_q * (p->head_dim + 1);
 }
@@ -936,9 +974,9 @@ static void launch_decode(const attn_problem *p, const attn_buffers *t) {
       <<<(unsigned)blocks, DecodeThreads, decode_bytes<T>(D, STAGES), attn_stream()>>>(
           (const T *)t->q, (const T *)t->k, (const T *)t->v, t->cache_lens, part_o, part_lse,
           (T *)t->o, t->lse, p->seq_q, p->seq_kv, attn_heads_kv(p), attn_group(p), plan.chunk_keys,
-          plan.chunks, p->scale, p->causal);
+          plan.chunks, plan.merge, p->scale, p->causal);
   CHECK_LAUNCH("flash_decode_kernel");
-  if (plan.chunks == 1) return; /* nothing to merge */
+  if (!plan.merge) return; /* the decode blocks wrote O and LSE */
   /* The merge as a programmatic dependent launch where the GPU has it (see wait_for_decode). */
   int device, major;
   CUDA_CHECK(cudaGetDevice(&device));

@@ -2,8 +2,11 @@
  * CPU, over many shapes and GPU sizes: the chunks cover every sequence's keys in whole tiles,
  * the longest sequence has no empty chunk, a chunk holds at least MinChunkKeys keys where
  * the cache has them, the grid asks for about DecodeBlocksPerSm blocks an SM where the keys
- * allow and never many more, and ATTN_DECODE_CHUNK_KEYS sets the chunk length. Then the plans
- * of the decode benchmark's shapes on an H100 (132 SMs), printed.
+ * allow and never many more, a merge follows exactly where a sequence has more than one chunk,
+ * and ATTN_DECODE_CHUNK_KEYS sets the chunk length. In the batch-invariant mode
+ * (ATTN_DECODE_BATCH_INVARIANT=1), the chunk length is BatchInvariantChunkKeys whatever the
+ * batch and the GPU, and the merge always follows. Then the plans of the decode benchmark's
+ * shapes on an H100 (132 SMs), printed.
  * Exit 0 when all hold. */
 #include <stdio.h>
 #include <stdlib.h>
@@ -30,6 +33,7 @@ int main(void) {
   static int cache_lens[64];
   int cases = 0;
   unsetenv("ATTN_DECODE_CHUNK_KEYS");
+  unsetenv("ATTN_DECODE_BATCH_INVARIANT");
   for (int batch : batches)
     for (int hkv : heads_kv)
       for (int len : lens)
@@ -37,20 +41,22 @@ int main(void) {
           decode_plan plan = plan_for(batch, hkv, len, sms, cache_lens);
           long pairs = (long)batch * hkv, blocks = pairs * plan.chunks;
           long wanted = DecodeBlocksPerSm * sms, by_keys = pairs * max(1, len / MinChunkKeys);
-          const char *why[6] = {"not whole tiles",
+          const char *why[7] = {"not whole tiles",
                                 "the keys are not covered",
                                 "the longest sequence has an empty chunk",
                                 "chunks shorter than MinChunkKeys",
                                 "fewer than half the blocks asked",
-                                "more blocks than asked"};
-          bool holds[6] = {plan.chunk_keys > 0 && plan.chunk_keys % DecodeKeys == 0,
+                                "more blocks than asked",
+                                "a merge where there is one chunk, or none where there are more"};
+          bool holds[7] = {plan.chunk_keys > 0 && plan.chunk_keys % DecodeKeys == 0,
                            plan.chunks >= 1 && (long)plan.chunks * plan.chunk_keys >= len,
                            len == 0 || (long)(plan.chunks - 1) * plan.chunk_keys < len,
                            len < MinChunkKeys || plan.chunk_keys >= MinChunkKeys,
                            2 * blocks >= min(wanted, by_keys),
-                           blocks <= max(pairs, wanted + pairs)};
+                           blocks <= max(pairs, wanted + pairs),
+                           plan.merge == (plan.chunks > 1)};
           cases++;
-          for (int k = 0; k < 6; k++)
+          for (int k = 0; k < 7; k++)
             EXPECT(holds[k], "B=%d Hkv=%d L=%d SMs=%ld: chunk_keys %d, chunks %d: %s", batch, hkv,
                    len, sms, plan.chunk_keys, plan.chunks, why[k]);
         }
@@ -64,6 +70,29 @@ int main(void) {
            plan.chunks);
   }
   unsetenv("ATTN_DECODE_CHUNK_KEYS");
+
+  /* The batch-invariant mode: every shape and GPU size gets the fixed length, covering the
+   * longest cache, and a merge; so sequence b's chunks (the first ceil(L_b / chunk_keys)) are
+   * those it gets alone. With ATTN_DECODE_CHUNK_KEYS too, that length, as fixed. */
+  setenv("ATTN_DECODE_BATCH_INVARIANT", "1", 1);
+  for (int forced : {0, 128}) {
+    if (forced) setenv("ATTN_DECODE_CHUNK_KEYS", "128", 1);
+    int keys = forced ? forced : BatchInvariantChunkKeys;
+    for (int batch : batches)
+      for (int hkv : heads_kv)
+        for (int len : lens)
+          for (long sms : sm_counts) {
+            decode_plan plan = plan_for(batch, hkv, len, sms, cache_lens);
+            cases++;
+            EXPECT(plan.chunk_keys == keys && plan.chunks == max(1, (len + keys - 1) / keys) &&
+                       plan.merge,
+                   "batch-invariant, chunk %d: B=%d Hkv=%d L=%d SMs=%ld: chunk_keys %d, chunks "
+                   "%d, merge %d",
+                   keys, batch, hkv, len, sms, plan.chunk_keys, plan.chunks, plan.merge);
+          }
+  }
+  unsetenv("ATTN_DECODE_CHUNK_KEYS");
+  unsetenv("ATTN_DECODE_BATCH_INVARIANT");
 
   printf("the decode benchmark's plans on an H100 (Hkv = 8, d = 128, 132 SMs):\n");
   printf("  B   L      chunk_keys  chunks  blocks  per SM\n");

@@ -83,6 +83,13 @@ int attn_decode_chunk_keys(void) {
   return (int)keys;
 }
 
+int attn_decode_batch_invariant(void) {
+  const char *text = getenv("ATTN_DECODE_BATCH_INVARIANT");
+  if (text && *text && strcmp(text, "0") != 0 && strcmp(text, "1") != 0)
+    attn_fail(EXIT_BAD_USAGE, "ATTN_DECODE_BATCH_INVARIANT must be 0 or 1, got '%s'", text);
+  return text && strcmp(text, "1") == 0;
+}
+
 /* Per thread: PyTorch runs backward passes on threads of its own. 0: the legacy stream. */
 static thread_local cudaStream_t attn_launch_stream;
 cudaStream_t attn_stream(void) { return attn_launch_stream; }

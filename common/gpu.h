@@ -48,6 +48,13 @@ void attn_set_deterministic(int asked);
  * is a usage error. */
 int attn_decode_chunk_keys(void);
 
+/* Whether the environment variable ATTN_DECODE_BATCH_INVARIANT is 1: a decode stage (11) then
+ * splits every sequence's keys into chunks of a fixed length and always merges them, so that
+ * a sequence's O and LSE are the same bits whatever batch it is decoded in (see its README).
+ * 0, empty or unset is the default rule; any other value is a usage error. Read at each call,
+ * so it reaches the Python package too. */
+int attn_decode_batch_invariant(void);
+
 /* The stream every launch of a stage goes to (its fourth launch parameter): the legacy
  * default stream (0) in the stage programs, whose timing records its events there; the
  * Python package sets PyTorch's current stream around each call (common/stage_library.cu). */

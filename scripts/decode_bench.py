@@ -46,6 +46,9 @@ SDPA backend's row of each shape)); decode_summary.md (the table the README quot
 the verdict on the two targets); plots/decode_bandwidth.png and decode_time.png (gnuplot,
 scripts/plots.py's way). --chunk-sweep adds rows of stage 11 with ATTN_DECODE_CHUNK_KEYS
 forced to each length, at a few shapes (rows/decode_chunks.tsv), to measure the chunk rule.
+--batch-invariant adds stage 11 in its batch-invariant mode (ATTN_DECODE_BATCH_INVARIANT=1:
+fixed chunks, always merged) as one more contender at every shape, timed in the same rounds as
+the rule (rows/decode_invariant.tsv, chunk_keys "invariant"), and a table of what it costs.
 Each correctness check compares batch 0's O with float32 attention computed by PyTorch.
 Without PyTorch, a CUDA device or the library: one "skipped" line, exit 0.
 """
@@ -86,6 +89,8 @@ SWEEP_SHAPES = [(1, 1024), (1, 4096), (1, 8192), (1, 32768), (1, 131072), (8, 20
                 (8, 32768), (8, 131072), (32, 1024), (32, 2048), (32, 16384)]
 EXTRA = ["Hkv", "cache_len", "kv_bytes", "kv_gbps", "copy_gbps", "copy_fraction", "timer",
          "chunk_keys", "best_sdpa"]
+INVARIANT = "ATTN_DECODE_BATCH_INVARIANT"  # --batch-invariant: stage 11's mode, read per call
+INVARIANT_KEYS = "invariant"  # the chunk_keys cell of the mode's rows (its fixed length)
 
 
 def skip(why):
@@ -330,15 +335,34 @@ def summary(rows, copy, rounds, path):
     lines.append("At least as fast as PyTorch's best SDPA backend at every shape: " +
                  ("yes" if fast_everywhere else "NO (" + "; ".join(shortfalls) + ")"))
     lines += chunk_table(rows)
+    lines += invariant_table(rows)
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
+def invariant_table(rows):
+    """The --batch-invariant rows: stage 11's ms in the mode beside the rule's, same rounds."""
+    inv = {(int(r["B"]), int(r["cache_len"])): float(r["ms"]) for r in rows
+           if r["chunk_keys"] == INVARIANT_KEYS}
+    if not inv:
+        return []
+    out = ["", f"Stage 11 with {INVARIANT}=1 (fixed chunks, always merged) beside the rule, ms:",
+           "", "| B | L | rule | batch-invariant | mode / rule |", "|---|---|---|---|---|"]
+    for (b, length), ms in sorted(inv.items()):
+        rule = [float(r["ms"]) for r in rows if r["chunk_keys"] == "rule" and
+                r["stage"] == STAGE and r["timer"] == "library" and int(r["B"]) == b and
+                int(r["cache_len"]) == length]
+        cells = [str(b), f"{length // 1024}k", f"{rule[0]:.4f}" if rule else "-", f"{ms:.4f}",
+                 f"{ms / rule[0]:.2f}x" if rule else "-"]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
 def chunk_table(rows):
     """The --chunk-sweep rows: stage 11's ms at each forced chunk length beside the rule's
     (whose chunk count the workspace gives: chunks x B Hkv blocks of G Nq (d + 1) floats)."""
-    forced = [r for r in rows if r["chunk_keys"] != "rule"]
+    forced = [r for r in rows if r["chunk_keys"] not in ("rule", INVARIANT_KEYS)]
     if not forced:
         return []
     keys = sorted({int(r["chunk_keys"]) for r in forced})
@@ -382,6 +406,9 @@ def main():
     ap.add_argument("--chunk-sweep", action="store_true",
                     help="also time stage 11 with ATTN_DECODE_CHUNK_KEYS forced (SWEEP_KEYS "
                     "at SWEEP_SHAPES)")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help=f"also time stage 11 with {INVARIANT}=1 at every shape, in the same "
+                    "rounds as the rule (rows/decode_invariant.tsv)")
     ap.add_argument("--rounds", type=int, default=ROUNDS,
                     help="interleaved timings of every contender at each shape; each figure "
                     "is the median of its rounds")
@@ -404,6 +431,10 @@ def main():
         return
     if not a.lib:
         ap.error("--lib is required")
+    for name in (INVARIANT, "ATTN_DECODE_CHUNK_KEYS"):
+        if os.environ.get(name):
+            ap.error(f"{name} is set in the environment, so the rule's rows would not be "
+                     "the rule's; unset it (--batch-invariant and --chunk-sweep set theirs)")
 
     try:
         import torch
@@ -467,6 +498,21 @@ def main():
             pybench.measure(torch, read_kv, flush, cycles)
             call, ws, o = stage_call(torch, library, lib, q, k, v, scale)
             contenders = [(STAGE, call), (READ, read_kv)]
+            if a.batch_invariant:  # the variable is read at each call: workspace and launch
+                os.environ[INVARIANT] = "1"
+                try:
+                    inv_call, inv_ws, inv_o = stage_call(torch, library, lib, q, k, v, scale)
+                finally:
+                    del os.environ[INVARIANT]
+
+                def invariant(inv_call=inv_call):
+                    # host time of the call's, measured with it and hidden behind the spin
+                    os.environ[INVARIANT] = "1"
+                    try:
+                        return inv_call()
+                    finally:
+                        del os.environ[INVARIANT]
+                contenders.insert(1, (INVARIANT_KEYS, invariant))
             for name in a.backends:
                 def fwd(backend=sdpa_backends(torch)[name]):  # this backend, not the loop's last
                     with sdpa_kernel(backend):
@@ -499,6 +545,13 @@ def main():
                     print(f"    {STAGE}: {ms_c:.4f} ms {spread}, "
                           f"{kv_bytes(b, length) / ms_c / 1e6:.0f} GB/s, err {err:.2e} {verdict}",
                           file=sys.stderr, flush=True)
+                elif name == INVARIANT_KEYS:
+                    fn()
+                    err_i, tol_i, verdict_i = check_b0(torch, inv_o, ref, max_v)
+                    pending.append((STAGE, b, length, ms_c, inv_ws, peaks[name], err_i, tol_i,
+                                    verdict_i, "library", INVARIANT_KEYS))
+                    print(f"    {STAGE} batch-invariant: {ms_c:.4f} ms {spread}, "
+                          f"err {err_i:.2e} {verdict_i}", file=sys.stderr, flush=True)
                 elif name == READ:
                     pending.append((READ, b, length, ms_c, 0, 0, None, None, "none", "read"))
                     print(f"    {READ}: {ms_c:.4f} ms {spread}", file=sys.stderr, flush=True)
@@ -517,7 +570,9 @@ def main():
                         del os.environ["ATTN_DECODE_CHUNK_KEYS"]
                     pending.append((STAGE, b, length, ms_k, ws, peak_k, None, None, "none",
                                     "library", str(keys)))
-            del q, k, v, ref, o, call
+            del q, k, v, ref, o, call, contenders
+            if a.batch_invariant:
+                del inv_call, inv_o
             torch.cuda.empty_cache()
             if a.bin and b in a.program_batches:
                 got = run_program(os.path.join(a.bin, STAGE), b, length, program_log)
@@ -545,14 +600,17 @@ def main():
     main_rows = Writer(tsv, stamp)
     chunk_rows = Writer(os.path.join(rows_dir, "decode_chunks.tsv"), stamp) if a.chunk_sweep \
         else None
+    invariant_rows = Writer(os.path.join(rows_dir, "decode_invariant.tsv"), stamp) \
+        if a.batch_invariant else None
     rows = []
     for r in pending:
         stage_name, b, length, ms, ws, peak, err, tol, check, timer = r[:10]
         keys = r[10] if len(r) > 10 else "rule"
-        w = main_rows if keys == "rule" else chunk_rows
+        w = main_rows if keys == "rule" else invariant_rows if keys == INVARIANT_KEYS \
+            else chunk_rows
         rows.append(w.row(stage_name, b, length, ms, ws, peak, err, tol, check, copy, timer,
                           keys, int(best.get((b, length)) is r)))
-    for w in (main_rows, chunk_rows):
+    for w in (main_rows, chunk_rows, invariant_rows):
         if w:
             w.f.close()
     summary(rows, copy, a.rounds, os.path.join(a.out, "decode_summary.md"))
