@@ -35,9 +35,17 @@ function(attn_test stage case kind)
 endfunction()
 
 # The shared memory per block of the smallest GPUs a stage claims: sm_86 and sm_89 (99 KiB)
-# and sm_80 (163 KiB). Tests run with ATTN_SHARED_MEMORY_LIMIT set to each, so the tiles a
-# stage picks for those GPUs are exercised on whatever GPU runs the tests.
+# and sm_80 (163 KiB), and per SM (100 and 164 KiB). Tests run with ATTN_SHARED_MEMORY_LIMIT
+# and ATTN_SHARED_MEMORY_PER_SM set to each pair, so the tiles a stage picks for those GPUs are
+# exercised on whatever GPU runs the tests.
 set(ATTN_SMALL_SHARED_MEMORY 101376 166912)
+set(ATTN_SMALL_SHARED_MEMORY_PER_SM 102400 167936)
+# The environment that stands in for the GPU whose block limit is `limit`, into `var`.
+function(attn_small_gpu_env var limit)
+  list(FIND ATTN_SMALL_SHARED_MEMORY ${limit} at)
+  list(GET ATTN_SMALL_SHARED_MEMORY_PER_SM ${at} per_sm)
+  set(${var} "ATTN_SHARED_MEMORY_LIMIT=${limit};ATTN_SHARED_MEMORY_PER_SM=${per_sm}" PARENT_SCOPE)
+endfunction()
 
 # A run that must exit with `code` and print a line matching `regex`.
 function(attn_expect stage case kind code regex)
@@ -281,8 +289,9 @@ function(attention_stage name source)
           set(case deterministic_dq.smem${smallest}.d128.q127kv513${m}${t})
           attn_test(${name} ${case} ${kind} ${common_args} ${c} ${bwd} -b 2 -H 3 --seq-q 127
                     --seq-kv 513 -d 128)
+          attn_small_gpu_env(small_env ${smallest})
           set_tests_properties(${name}.${case} PROPERTIES ENVIRONMENT
-                               "ATTN_DETERMINISTIC=1;ATTN_SHARED_MEMORY_LIMIT=${smallest}")
+                               "ATTN_DETERMINISTIC=1;${small_env}")
         endif()
         # The tiles the smallest GPUs get (see ATTN_SMALL_SHARED_MEMORY), every head dim.
         foreach(limit ${ATTN_SMALL_SHARED_MEMORY})
@@ -294,8 +303,9 @@ function(attention_stage name source)
               string(REPLACE "-n" "N" sn "${sn}")
               attn_test(${name} smem${limit}.d${d}.${sn}${m}${t} ${kind} ${common_args} ${c}
                         ${bwd} -b 2 -H 3 ${shape} -d ${d})
+              attn_small_gpu_env(small_env ${limit})
               set_tests_properties(${name}.smem${limit}.d${d}.${sn}${m}${t} PROPERTIES
-                                   ENVIRONMENT ATTN_SHARED_MEMORY_LIMIT=${limit})
+                                   ENVIRONMENT "${small_env}")
             endforeach()
           endforeach()
         endforeach()
@@ -322,7 +332,7 @@ function(attention_stage name source)
             list(APPEND extra --causal --seq-q 130 --seq-kv 97)
           elseif(variant STREQUAL "small_smem")
             list(GET ATTN_SMALL_SHARED_MEMORY 0 smallest)
-            set(env ATTN_SHARED_MEMORY_LIMIT=${smallest})
+            attn_small_gpu_env(env ${smallest})
             list(APPEND extra -d 128)
             if(ARG_CAUSAL)
               list(APPEND extra --causal)
@@ -338,7 +348,7 @@ function(attention_stage name source)
           attn_sanitizer_test(${name} ${variant}${t} ${tool} ${small} ${extra})
           if(env)
             set_tests_properties(${name}.sanitizer.${tool}.${variant}${t} PROPERTIES
-                                 ENVIRONMENT ${env})
+                                 ENVIRONMENT "${env}")
           endif()
         endforeach()
       endforeach()
@@ -362,13 +372,18 @@ function(attention_stage name source)
     # past the spaces into 2^64 - 5, no limit at all).
     foreach(case "limit_too_small;40000;needs [0-9]+ bytes of shared memory"
                  "limit_not_a_number;99KiB;ATTN_SHARED_MEMORY_LIMIT must be a positive byte count"
-                 "limit_negative; -5;ATTN_SHARED_MEMORY_LIMIT must be a positive byte count")
+                 "limit_negative; -5;ATTN_SHARED_MEMORY_LIMIT must be a positive byte count"
+                 "per_sm_not_a_number;100KiB;ATTN_SHARED_MEMORY_PER_SM must be a positive byte count")
       list(GET case 0 what)
       list(GET case 1 value)
       list(GET case 2 regex)
+      set(variable ATTN_SHARED_MEMORY_LIMIT)
+      if(what MATCHES "^per_sm")
+        set(variable ATTN_SHARED_MEMORY_PER_SM)
+      endif()
       attn_expect(${name} bad.shared_memory_${what} ${kind} 2 "${regex}" --backward -d 128 -n 64)
       set_tests_properties(${name}.bad.shared_memory_${what} PROPERTIES
-                           ENVIRONMENT "ATTN_SHARED_MEMORY_LIMIT=${value}")
+                           ENVIRONMENT "${variable}=${value}")
     endforeach()
   endif()
 

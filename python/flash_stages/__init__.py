@@ -307,6 +307,10 @@ def _check_environment():
     if det not in ("", "0", "1"):
         raise FlashStagesError(f"ATTN_DETERMINISTIC must be 0 or 1, got {det!r}")
     whole("ATTN_SHARED_MEMORY_LIMIT", 1, 2**64 - 1)
+    whole("ATTN_SHARED_MEMORY_PER_SM", 1, 2**64 - 1)
+    inv = os.environ.get("ATTN_DECODE_BATCH_INVARIANT", "")
+    if inv not in ("", "0", "1"):
+        raise FlashStagesError(f"ATTN_DECODE_BATCH_INVARIANT must be 0 or 1, got {inv!r}")
     whole("ATTN_DECODE_CHUNK_KEYS", 1, _MAX_DIM, _DECODE_TILE_KEYS)
 
 
