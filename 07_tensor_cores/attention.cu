@@ -309,24 +309,42 @@ __device__ void block_max_into(float x, float *out) {
   }
 }
 
-/* D_i = sum_c dO_ic O_ic, one thread per row. (It equals sum_j dP_ij P_ij: the backward of
- * the softmax needs exactly this dot product, and O = P V makes it a d-term sum.) With
- * `stats` (fp16), also max |dO_i|^2 and max |V_j|^2 into stats[0], stats[1] for ds_scale. */
-template <typename T>
+/* D_i = sum_c dO_ic O_ic. (It equals sum_j dP_ij P_ij: the backward of the softmax needs
+ * exactly this dot product, and O = P V makes it a d-term sum.) D / 8 adjacent threads share a
+ * row, each reading 16 bytes of it, so that a warp reads whole rows, 512 contiguous bytes of
+ * each tensor (a thread walking a row alone reads 32 rows d elements apart). With `stats`
+ * (fp16), also max |dO_i|^2 and max |V_j|^2 into stats[0], stats[1] for ds_scale. */
+template <int D, typename T>
 __global__ void compute_delta_kernel(const T *o, const T *d_o, const T *v, float *delta,
-                                     float *stats, long rows, long kv_rows, int d) {
-  long r = blockIdx.x * (long)blockDim.x + threadIdx.x;
+                                     float *stats, long rows, long kv_rows) {
+  constexpr int Chunk = 16 / sizeof(T), Lanes = D / Chunk; /* threads a row */
+  static_assert(32 % Lanes == 0, "a row's threads are within one warp");
+  long r = (blockIdx.x * (long)blockDim.x + threadIdx.x) / Lanes;
+  long at = r * D + threadIdx.x % Lanes * Chunk;
   float sum = 0.f, do_norm2 = 0.f, v_norm2 = 0.f;
   if (r < rows) {
-    for (int c = 0; c < d; c++) {
-      float x = float(d_o[r * d + c]);
-      sum += x * float(o[r * d + c]), do_norm2 += x * x;
+    float4 dov = *reinterpret_cast<const float4 *>(d_o + at);
+    float4 ov = *reinterpret_cast<const float4 *>(o + at);
+    const T *dos = reinterpret_cast<const T *>(&dov), *os = reinterpret_cast<const T *>(&ov);
+#pragma unroll
+    for (int c = 0; c < Chunk; c++) {
+      float x = float(dos[c]);
+      sum += x * float(os[c]), do_norm2 += x * x;
     }
-    delta[r] = sum;
   }
+  if (stats && r < kv_rows) {
+    float4 vv = *reinterpret_cast<const float4 *>(v + at);
+    const T *vs = reinterpret_cast<const T *>(&vv);
+#pragma unroll
+    for (int c = 0; c < Chunk; c++) v_norm2 += float(vs[c]) * float(vs[c]);
+  }
+#pragma unroll
+  for (int lane = Lanes / 2; lane > 0; lane /= 2) /* over the row's threads, adjacent lanes */
+    sum += __shfl_xor_sync(0xffffffffu, sum, lane),
+        do_norm2 += __shfl_xor_sync(0xffffffffu, do_norm2, lane),
+        v_norm2 += __shfl_xor_sync(0xffffffffu, v_norm2, lane);
+  if (r < rows && threadIdx.x % Lanes == 0) delta[r] = sum;
   if (!stats) return;
-  if (r < kv_rows)
-    for (int c = 0; c < d; c++) v_norm2 += float(v[r * d + c]) * float(v[r * d + c]);
   block_max_into(do_norm2, stats);
   __syncthreads(); /* WAR: block_max_into's shared memory is read before it is reused */
   block_max_into(v_norm2, stats + 1);
@@ -490,9 +508,10 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   float *ds_stats = std::is_same_v<T, __half> ? delta + delta_floats(rows) : nullptr;
   if (ds_stats) CUDA_CHECK(cudaMemsetAsync(ds_stats, 0, sizeof(float) * DsStats, attn_stream()));
   const int delta_threads = 256; /* a memory-bound pass: any full-warp count will do */
-  long delta_grid = ((ds_stats ? max(rows, kv_rows) : rows) + delta_threads - 1) / delta_threads;
-  compute_delta_kernel<<<(unsigned)delta_grid, delta_threads, 0, attn_stream()>>>(
-      (const T *)t->o, (const T *)t->d_o, (const T *)t->v, delta, ds_stats, rows, kv_rows, D);
+  long delta_rows = ds_stats ? max(rows, kv_rows) : rows, lanes = D * sizeof(T) / 16;
+  long delta_grid = (delta_rows * lanes + delta_threads - 1) / delta_threads;
+  compute_delta_kernel<D><<<(unsigned)delta_grid, delta_threads, 0, attn_stream()>>>(
+      (const T *)t->o, (const T *)t->d_o, (const T *)t->v, delta, ds_stats, rows, kv_rows);
   CHECK_LAUNCH("compute_delta_kernel");
   if (dkdv_bytes<T>(D, Bc_bwd) <= attn_shared_memory_limit())
     launch_dkdv<D, Bc_bwd, T>(p, t, delta, ds_stats);

@@ -1123,13 +1123,17 @@ __host__ __device__ constexpr int dq_blocks_per_sm(int d) {
 #define ATTN_PAIRED_ATOMICS 1
 #endif
 
-/* D of every row, then the bound on |dS| (DsStats floats), then, from a 16-byte boundary (the
- * float2 atomics need 8), the fp32 dQ they add into. */
-static size_t delta_floats(size_t rows) { return (rows + 3) / 4 * 4; }
+/* D of every row, then, from a 128-byte boundary, the fp32 dQ the atomics add into (a warp's
+ * float2 atomics fill whole 32-byte sectors of L2 only if its rows start on one: from 16 bytes
+ * in, each would touch twice the sectors), then the bound on |dS| (DsStats floats). */
+constexpr int SectorFloats = 32; /* 128 bytes */
+static size_t delta_floats(size_t rows) {
+  return (rows + SectorFloats - 1) / SectorFloats * SectorFloats;
+}
 constexpr int DsStats = 4; /* max |dO_i|^2 and max |V_j|^2, padded to 16 bytes */
 static size_t backward_workspace(const attn_problem *p) {
   return sizeof(float) *
-         (delta_floats(attn_lse_elems(p)) + DsStats + (size_t)attn_lse_elems(p) * p->head_dim);
+         (delta_floats(attn_lse_elems(p)) + (size_t)attn_lse_elems(p) * p->head_dim + DsStats);
 }
 
 /* Shared memory of the dK/dV kernel: K and V (bc x d), double-buffered Q and dO tiles, LSE
@@ -1177,24 +1181,42 @@ __device__ void block_max_into(float x, float *out) {
   }
 }
 
-/* D_i = sum_c dO_ic O_ic, one thread per row. (It equals sum_j dP_ij P_ij: the backward of
- * the softmax needs exactly this dot product, and O = P V makes it a d-term sum.) With
- * `stats` (fp16), also max |dO_i|^2 and max |V_j|^2 into stats[0], stats[1] for ds_scale. */
-template <typename T>
+/* D_i = sum_c dO_ic O_ic. (It equals sum_j dP_ij P_ij: the backward of the softmax needs
+ * exactly this dot product, and O = P V makes it a d-term sum.) D / 8 adjacent threads share a
+ * row, each reading 16 bytes of it, so that a warp reads whole rows, 512 contiguous bytes of
+ * each tensor (a thread walking a row alone reads 32 rows d elements apart). With `stats`
+ * (fp16), also max |dO_i|^2 and max |V_j|^2 into stats[0], stats[1] for ds_scale. */
+template <int D, typename T>
 __global__ void compute_delta_kernel(const T *o, const T *d_o, const T *v, float *delta,
-                                     float *stats, long rows, long kv_rows, int d) {
-  long r = blockIdx.x * (long)blockDim.x + threadIdx.x;
+                                     float *stats, long rows, long kv_rows) {
+  constexpr int Chunk = 16 / sizeof(T), Lanes = D / Chunk; /* threads a row */
+  static_assert(32 % Lanes == 0, "a row's threads are within one warp");
+  long r = (blockIdx.x * (long)blockDim.x + threadIdx.x) / Lanes;
+  long at = r * D + threadIdx.x % Lanes * Chunk;
   float sum = 0.f, do_norm2 = 0.f, v_norm2 = 0.f;
   if (r < rows) {
-    for (int c = 0; c < d; c++) {
-      float x = float(d_o[r * d + c]);
-      sum += x * float(o[r * d + c]), do_norm2 += x * x;
+    float4 dov = *reinterpret_cast<const float4 *>(d_o + at);
+    float4 ov = *reinterpret_cast<const float4 *>(o + at);
+    const T *dos = reinterpret_cast<const T *>(&dov), *os = reinterpret_cast<const T *>(&ov);
+#pragma unroll
+    for (int c = 0; c < Chunk; c++) {
+      float x = float(dos[c]);
+      sum += x * float(os[c]), do_norm2 += x * x;
     }
-    delta[r] = sum;
   }
+  if (stats && r < kv_rows) {
+    float4 vv = *reinterpret_cast<const float4 *>(v + at);
+    const T *vs = reinterpret_cast<const T *>(&vv);
+#pragma unroll
+    for (int c = 0; c < Chunk; c++) v_norm2 += float(vs[c]) * float(vs[c]);
+  }
+#pragma unroll
+  for (int lane = Lanes / 2; lane > 0; lane /= 2) /* over the row's threads, adjacent lanes */
+    sum += __shfl_xor_sync(0xffffffffu, sum, lane),
+        do_norm2 += __shfl_xor_sync(0xffffffffu, do_norm2, lane),
+        v_norm2 += __shfl_xor_sync(0xffffffffu, v_norm2, lane);
+  if (r < rows && threadIdx.x % Lanes == 0) delta[r] = sum;
   if (!stats) return;
-  if (r < kv_rows)
-    for (int c = 0; c < d; c++) v_norm2 += float(v[r * d + c]) * float(v[r * d + c]);
   block_max_into(do_norm2, stats);
   __syncthreads(); /* WAR: block_max_into's shared memory is read before it is reused */
   block_max_into(v_norm2, stats + 1);
@@ -1214,10 +1236,12 @@ __device__ void load_row_stats(const float *lse, const float *delta, int rows, i
   }
 }
 
-/* P = 2^(s scale log2(e) - LSE) (LSE in log2 units) and dS = P (dP - D) (times ds_scale in
- * fp16) for the four elements of an accumulator, as half an A operand (out[0] rows 0-7, out[1] rows
- * 8-15). A masked element is 0 without exp2, so a row that sees no key (LSE = -inf) makes no NaN.
- * The clamp P <= 1: an fp32 LSE of logits near 1e11 is known only to about 4096 (2^4096 = inf). */
+/* P = 2^(s scale log2(e) - LSE) (LSE in log2 units) and dS = P (dP - D) ds_scale for the four
+ * elements of an accumulator, as half an A operand (out[0] rows 0-7, out[1] rows 8-15), `delta`
+ * given as D ds_scale: one FFMA in place of the subtraction, so the scaling (1 in bf16) costs
+ * nothing here, and by a power of two it rounds as (dP - D) would. A masked element is 0
+ * without exp2, so a row that sees no key (LSE = -inf) makes no NaN. The clamp P <= 1: an fp32
+ * LSE of logits near 1e11 is known only to about 4096 (2^4096 = inf). */
 template <typename T>
 __device__ void probabilities_and_ds(const float *s, const float *dp, float scale_log2,
                                      const float *lse, const float *delta, const bool *visible,
@@ -1226,8 +1250,7 @@ __device__ void probabilities_and_ds(const float *s, const float *dp, float scal
 #pragma unroll
   for (int e = 0; e < 4; e++) {
     p[e] = visible[e] ? fminf(1.f, exp2_approx(fmaf(s[e], scale_log2, -lse[e]))) : 0.f;
-    ds[e] = p[e] * (dp[e] - delta[e]);
-    if constexpr (std::is_same_v<T, __half>) ds[e] *= ds_scale; /* in fp16's range */
+    ds[e] = p[e] * fmaf(dp[e], ds_scale, -delta[e]);
   }
   p_out[0] = pack2(p[0], p[1], T()), p_out[1] = pack2(p[2], p[3], T());
   ds_out[0] = pack2(ds[0], ds[1], T()), ds_out[1] = pack2(ds[2], ds[3], T());
@@ -1400,7 +1423,8 @@ __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
           int col = n2 * 16 + half * MmaN + 2 * tq;
           float lo = lse_t[col] * Log2e, hi = lse_t[col + 1] * Log2e;
           float lse_e[4] = {lo, hi, lo, hi};
-          float delta_e[4] = {delta_t[col], delta_t[col + 1], delta_t[col], delta_t[col + 1]};
+          float lo_d = delta_t[col] * dss, hi_d = delta_t[col + 1] * dss; /* see ds_scale */
+          float delta_e[4] = {lo_d, hi_d, lo_d, hi_d};
 #pragma unroll
           for (int f = 0; f < KeyFrags; f++) {
             bool visible[4] = {true, true, true, true};
@@ -1487,7 +1511,7 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
   for (int e = 0; e < 4; e++) {
     int i = iw + g + 8 * (e / 2);
     lse_e[e] = i < nq ? lse[bh * nq + i] * Log2e : 0.f;
-    delta_e[e] = i < nq ? delta[bh * nq + i] : 0.f;
+    delta_e[e] = i < nq ? delta[bh * nq + i] * dss : 0.f; /* see ds_scale */
   }
   int offset = nkv - nq, last_row = min(i0 + Br, nq) - 1;
   int kv_end = causal ? max(0, min(nkv, last_row + offset + 1)) : nkv;
@@ -1570,19 +1594,20 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   int heads = p->batch * p->heads;
   long rows = (long)heads * p->seq_q, kv_rows = (long)heads * p->seq_kv;
   float *delta = (float *)t->workspace;
+  float *dq_accum = delta + delta_floats(rows);
+  long dq_elems = rows * D;
   /* The bound on |dS| in fp16 only (ds_scale); bf16 passes none. */
-  float *ds_stats = std::is_same_v<T, __half> ? delta + delta_floats(rows) : nullptr;
+  float *ds_stats = std::is_same_v<T, __half> ? dq_accum + dq_elems : nullptr;
   if (ds_stats) CUDA_CHECK(cudaMemsetAsync(ds_stats, 0, sizeof(float) * DsStats, attn_stream()));
   const int delta_threads = 256; /* a memory-bound pass: any full-warp count will do */
-  long delta_grid = ((ds_stats ? max(rows, kv_rows) : rows) + delta_threads - 1) / delta_threads;
-  compute_delta_kernel<<<(unsigned)delta_grid, delta_threads, 0, attn_stream()>>>(
-      (const T *)t->o, (const T *)t->d_o, (const T *)t->v, delta, ds_stats, rows, kv_rows, D);
+  long delta_rows = ds_stats ? max(rows, kv_rows) : rows, lanes = D * sizeof(T) / 16;
+  long delta_grid = (delta_rows * lanes + delta_threads - 1) / delta_threads;
+  compute_delta_kernel<D><<<(unsigned)delta_grid, delta_threads, 0, attn_stream()>>>(
+      (const T *)t->o, (const T *)t->d_o, (const T *)t->v, delta, ds_stats, rows, kv_rows);
   CHECK_LAUNCH("compute_delta_kernel");
   /* dQ by atomics from the dK/dV kernel (five products a tile), or, with
    * ATTN_DETERMINISTIC=1, by the dQ kernel (seven, every bit the same run after run). */
   bool atomic_dq = !attn_deterministic();
-  float *dq_accum = delta + delta_floats(rows) + DsStats;
-  long dq_elems = rows * D;
   if (atomic_dq) CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, sizeof(float) * dq_elems, attn_stream()));
   bool big = dkdv_bytes<T>(D, Bc_bwd) <= attn_shared_memory_limit();
   if (atomic_dq && big) launch_dkdv<D, Bc_bwd, true, T>(p, t, delta, ds_stats, dq_accum);
