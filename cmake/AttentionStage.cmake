@@ -363,6 +363,39 @@ function(attention_stage name source)
     set_tests_properties(${name}.save_load PROPERTIES ENVIRONMENT ATTN_DETERMINISTIC=1)
   endif()
 
+  # The check cannot pass a wrong answer at any input size: with O halved after the stage
+  # returns (ATTN_TEST_FAULT, common/runner.c), every input scale from 1 to 1e9 must end in a
+  # mismatch (exit 1) whose result line names O; fp16 stops at 1e4 (1e5 is beyond its range).
+  foreach(dtype ${dtypes})
+    set(t "")
+    if(NOT dtype STREQUAL "fp32")
+      set(t ".${dtype}")
+    endif()
+    set(scales 1 10 100 300 1e3 1e4 1e6 1e9)
+    if(dtype STREQUAL "fp16")
+      set(scales 1 10 100 300 1e3 1e4)
+    endif()
+    foreach(x ${scales})
+      attn_expect(${name} check_catches.halved_o.x${x}${t} ${kind} 1
+                  "FAIL [(]O: max err [^)]* > tol [^)]*[)].*O: mismatch" --dtype ${dtype} -b 1 -H 2
+                  -n 64 -d ${d0} --input-scale ${x})
+      set_tests_properties(${name}.check_catches.halved_o.x${x}${t} PROPERTIES
+                           ENVIRONMENT ATTN_TEST_FAULT=halve-o)
+    endforeach()
+    if(ARG_BACKWARD)
+      # One NaN in one gradient: the backward's line says which tensor and why.
+      foreach(g dq dk dv)
+        string(REPLACE "d" "" gn ${g})
+        string(TOUPPER ${gn} gn)
+        attn_expect(${name} check_catches.nan_${g}${t} ${kind} 1
+                    "bwd .* FAIL [(]d${gn}: 1 non-finite value[)]" --dtype ${dtype} --backward -b 1
+                    -H 2 -n 64 -d ${d0})
+        set_tests_properties(${name}.check_catches.nan_${g}${t} PROPERTIES
+                             ENVIRONMENT ATTN_TEST_FAULT=nan-${g})
+      endforeach()
+    endif()
+  endforeach()
+
   # Bad input: exit 2 with one line saying what and why.
   attn_expect(${name} bad.zero_seq ${kind} 2 "--seq must be an integer" -n 0)
   attn_expect(${name} bad.negative_batch ${kind} 2 "--batch must be an integer" -b -3)

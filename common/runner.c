@@ -675,6 +675,7 @@ typedef struct {
   const char *direction; /* "fwd" or "bwd" */
   double ms, flops, err, tol;
   int checked, ok;
+  char why[160]; /* what failed, naming the tensor (attn_check_verdict) */
   size_t workspace, device_bytes;
 } pass_result;
 
@@ -691,7 +692,7 @@ static void human_bytes(char *buf, size_t len, double bytes) {
 }
 
 static void print_line(const attn_stage *s, const attn_problem *p, const pass_result *r) {
-  char shape[160], heads[32] = "", lens[48] = "", ws[32], rate[32], check[64];
+  char shape[160], heads[32] = "", lens[48] = "", ws[32], rate[32], check[256];
   if (attn_heads_kv(p) != p->heads) snprintf(heads, sizeof heads, " Hkv=%d", attn_heads_kv(p));
   if (p->cache_lens) {
     int lo = p->seq_kv, hi = 0;
@@ -713,8 +714,8 @@ static void print_line(const attn_stage *s, const attn_problem *p, const pass_re
   else
     snprintf(rate, sizeof rate, "%.2f GFLOP/s", tflops * 1e3);
   if (r->checked)
-    snprintf(check, sizeof check, "max err %.1e (tol %.1e) %s", r->err, r->tol,
-             r->ok ? "ok" : "FAIL");
+    snprintf(check, sizeof check, "max err %.1e (tol %.1e) %s%s%s%s", r->err, r->tol,
+             r->ok ? "ok" : "FAIL", r->ok ? "" : " (", r->ok ? "" : r->why, r->ok ? "" : ")");
   else
     snprintf(check, sizeof check, "not checked");
   printf("%-18s %s %-28s %s %-10s | %s | %9.3f ms | %s | workspace %s\n", s->name, r->direction,
@@ -787,6 +788,27 @@ static void check_outputs_writable(const options *o) {
     close(fd);
     unlink(probe);
   }
+}
+
+/* ATTN_TEST_FAULT, for the tests of the check itself (never for a measurement): spoils what
+ * the stage returned, after it returned and before the check, so that a test can prove the
+ * check catches it on every stage, CPU and GPU alike. "halve-o": every element of O halved;
+ * "nan-dq", "nan-dk", "nan-dv": one element of that gradient made NaN. */
+static void apply_test_fault(const attn_problem *p, float *o, float **grads) {
+  const char *fault = getenv("ATTN_TEST_FAULT");
+  if (!fault || !*fault) return;
+  const char *names[3] = {"nan-dq", "nan-dk", "nan-dv"};
+  if (strcmp(fault, "halve-o") == 0) {
+    for (size_t e = 0; o && e < attn_q_elems(p); e++) o[e] *= 0.5f;
+    return;
+  }
+  for (int g = 0; g < 3; g++)
+    if (strcmp(fault, names[g]) == 0) {
+      if (grads && grads[g]) grads[g][0] = NAN;
+      return;
+    }
+  attn_fail(EXIT_BAD_USAGE, "ATTN_TEST_FAULT must be halve-o, nan-dq, nan-dk or nan-dv, got '%s'",
+            fault);
 }
 
 /* ---- the program ------------------------------------------------------------------------------
@@ -862,12 +884,14 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
   s->forward(p, &t);
   download_tensor(s->device, o_host, t.o, nq, p->dtype);
   s->device->download(lse_host, t.lse, nlse * sizeof(float));
+  apply_test_fault(p, o_host, NULL);
 
   attn_check_inputs ci = {p, in.q, in.k, in.v, in.d_o, o.seed, s->saves_lse};
   int failed = 0;
   if (o.check) {
     attn_check_forward(&ci, o_host, lse_host, o.pattern == PATTERN_CONST_V,
                        o.pattern == PATTERN_ZERO_Q, &fwd.err, &fwd.tol, &fwd.ok);
+    snprintf(fwd.why, sizeof fwd.why, "%s", attn_check_verdict());
     fwd.checked = 1;
     failed |= !fwd.ok;
   }
@@ -884,9 +908,11 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
       grads[g] = attn_host_alloc(counts[g] * sizeof(float), "gradient");
       download_tensor(s->device, grads[g], dgrad[g], counts[g], p->dtype);
     }
+    apply_test_fault(p, NULL, grads);
     if (o.check) {
       attn_check_backward(&ci, o_host, lse_host, grads[0], grads[1], grads[2], &bwd.err, &bwd.tol,
                           &bwd.ok);
+      snprintf(bwd.why, sizeof bwd.why, "%s", attn_check_verdict());
       bwd.checked = 1;
       failed |= !bwd.ok;
     }
