@@ -28,10 +28,36 @@ set(ATTN_BATCH_HEADS 1,1 2,3 4,9)
 # max|S| about 3000 on unit-normal inputs; --inputs large-q reaches about 1e3 with Q scaled up.
 set(ATTN_LARGE_LOGIT_SCALE 100)
 
+# Every GPU test starts through the gate (common/gpu_gate.c): where the fixture gpu.probe
+# found no CUDA device, it exits 77 at once, so that a machine without a GPU skips thousands
+# of tests in seconds instead of asking the CUDA runtime for a device thousands of times.
+# Where the probe found a device, or gave no answer, the test runs as written.
+set(ATTN_GPU_PROBE_ANSWER ${CMAKE_BINARY_DIR}/gpu_probe_answer.txt)
+set(ATTN_GPU_GATE $<TARGET_FILE:attn_gpu_gate> ${ATTN_GPU_PROBE_ANSWER})
+
+# The command of a test of this kind: a GPU test's behind the gate.
+function(attn_gate kind out)
+  if(kind STREQUAL "gpu")
+    set(${out} ${ATTN_GPU_GATE} ${ARGN} PARENT_SCOPE)
+  else()
+    set(${out} ${ARGN} PARENT_SCOPE)
+  endif()
+endfunction()
+
+# What a GPU test needs: the probe's answer, and 77 shown as skipped (the gate's exit).
+function(attn_gate_properties kind name)
+  if(kind STREQUAL "gpu")
+    set_property(TEST ${name} APPEND PROPERTY FIXTURES_REQUIRED gpu_probe)
+    set_tests_properties(${name} PROPERTIES SKIP_RETURN_CODE 77)
+  endif()
+endfunction()
+
 function(attn_test stage case kind)
   set(name ${stage}.${case})
-  add_test(NAME ${name} COMMAND ${stage} ${ARGN})
+  attn_gate(${kind} command $<TARGET_FILE:${stage}> ${ARGN})
+  add_test(NAME ${name} COMMAND ${command})
   set_tests_properties(${name} PROPERTIES LABELS ${kind} SKIP_RETURN_CODE 77 TIMEOUT 600)
+  attn_gate_properties(${kind} ${name})
 endfunction()
 
 # The shared memory per block of the smallest GPUs a stage claims: sm_86 and sm_89 (99 KiB)
@@ -43,11 +69,12 @@ set(ATTN_SMALL_SHARED_MEMORY 101376 166912)
 function(attn_expect stage case kind code regex)
   string(JOIN "^" args ${ARGN})
   set(name ${stage}.${case})
-  add_test(NAME ${name}
-           COMMAND ${CMAKE_COMMAND} -DPROGRAM=$<TARGET_FILE:${stage}> -DARGS=${args}
-                   -DEXPECT_CODE=${code} "-DEXPECT_REGEX=${regex}" -P ${ATTN_CMAKE_DIR}/expect.cmake)
+  attn_gate(${kind} command ${CMAKE_COMMAND} -DPROGRAM=$<TARGET_FILE:${stage}> -DARGS=${args}
+            -DEXPECT_CODE=${code} "-DEXPECT_REGEX=${regex}" -P ${ATTN_CMAKE_DIR}/expect.cmake)
+  add_test(NAME ${name} COMMAND ${command})
   set_tests_properties(${name} PROPERTIES LABELS ${kind} SKIP_REGULAR_EXPRESSION
                                           "${ATTN_SKIP_REGEX}" TIMEOUT 120)
+  attn_gate_properties(${kind} ${name})
 endfunction()
 
 # compute-sanitizer's `tool` on one run of the stage (labels gpu and sanitizer); where the
@@ -55,8 +82,9 @@ endfunction()
 function(attn_sanitizer_test stage case tool)
   set(name ${stage}.sanitizer.${tool}.${case})
   if(ATTN_COMPUTE_SANITIZER)
-    add_test(NAME ${name} COMMAND ${ATTN_COMPUTE_SANITIZER} --tool ${tool} --error-exitcode 1
-                                  $<TARGET_FILE:${stage}> ${ARGN})
+    add_test(NAME ${name} COMMAND ${ATTN_GPU_GATE} ${ATTN_COMPUTE_SANITIZER} --tool ${tool}
+                                  --error-exitcode 1 $<TARGET_FILE:${stage}> ${ARGN})
+    attn_gate_properties(gpu ${name})
   else()
     add_test(NAME ${name} COMMAND ${CMAKE_COMMAND} -E echo
                                   "SKIPPED: no CUDA device tools (compute-sanitizer)")
@@ -70,12 +98,13 @@ endfunction()
 function(attn_compare_runs stage case kind mode)
   string(JOIN "^" args ${ARGN})
   set(name ${stage}.${case})
-  add_test(NAME ${name}
-           COMMAND ${CMAKE_COMMAND} -DPROGRAM=$<TARGET_FILE:${stage}> -DARGS=${args}
-                   -DMODE=${mode} -DWORK_DIR=${CMAKE_CURRENT_BINARY_DIR}/${case}
-                   -P ${ATTN_CMAKE_DIR}/compare_runs.cmake)
+  attn_gate(${kind} command ${CMAKE_COMMAND} -DPROGRAM=$<TARGET_FILE:${stage}> -DARGS=${args}
+            -DMODE=${mode} -DWORK_DIR=${CMAKE_CURRENT_BINARY_DIR}/${case}
+            -P ${ATTN_CMAKE_DIR}/compare_runs.cmake)
+  add_test(NAME ${name} COMMAND ${command})
   set_tests_properties(${name} PROPERTIES LABELS ${kind} SKIP_REGULAR_EXPRESSION
                                           "${ATTN_SKIP_REGEX}" TIMEOUT 300)
+  attn_gate_properties(${kind} ${name})
 endfunction()
 
 function(attention_stage name source)
@@ -442,15 +471,15 @@ function(attention_stage name source)
   foreach(bad wrong_dtype wrong_shape fortran_order truncated)
     attn_expect(${name} bad.npy_${bad} ${kind} 2 "npy" --load ${ATTN_NPY_FIXTURES}/${bad} -H 2
                 --seq-q 3 --seq-kv 5 -d ${d0})
-    set_tests_properties(${name}.bad.npy_${bad} PROPERTIES FIXTURES_REQUIRED npy_fixtures)
+    set_property(TEST ${name}.bad.npy_${bad} APPEND PROPERTY FIXTURES_REQUIRED npy_fixtures)
   endforeach()
   attn_expect(${name} bad.npy_negative_dim ${kind} 2 "q.npy: dimension 2 is -3" --load
               ${ATTN_NPY_FIXTURES}/negative_dim -H 2 --seq-q 3 --seq-kv 5 -d ${d0})
   attn_expect(${name} bad.npy_huge_dim ${kind} 2
               "q.npy: dimension 2 is 4611686018427387904. the array's size overflows" --load
               ${ATTN_NPY_FIXTURES}/huge_dim -H 2 --seq-q 3 --seq-kv 5 -d ${d0})
-  set_tests_properties(${name}.bad.npy_negative_dim ${name}.bad.npy_huge_dim
-                       PROPERTIES FIXTURES_REQUIRED npy_fixtures)
+  set_property(TEST ${name}.bad.npy_negative_dim ${name}.bad.npy_huge_dim APPEND
+               PROPERTY FIXTURES_REQUIRED npy_fixtures)
   # The command line: getopt_long's forms and a word that belongs to no option.
   attn_expect(${name} bad.seq_long_form ${kind} 2
               "--seq must be an integer in 1..[0-9]+, got 'abc'" --seq=abc)
