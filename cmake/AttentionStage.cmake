@@ -27,6 +27,9 @@ set(ATTN_BATCH_HEADS 1,1 2,3 4,9)
 # Logits of magnitude 1e3 and more: a softmax scale of 100 (instead of 1/8 at d = 64) makes
 # max|S| about 3000 on unit-normal inputs; --inputs large-q reaches about 1e3 with Q scaled up.
 set(ATTN_LARGE_LOGIT_SCALE 100)
+# A TSV file of another table (another first line), which --tsv must refuse to append to.
+set(ATTN_OTHER_TABLE ${CMAKE_BINARY_DIR}/other_table.tsv)
+file(WRITE ${ATTN_OTHER_TABLE} "name\tvalue\nx\t1\n")
 
 # Every GPU test starts through the gate (common/gpu_gate.c): where the fixture gpu.probe
 # found no CUDA device, it exits 77 at once, so that a machine without a GPU skips thousands
@@ -510,6 +513,15 @@ function(attention_stage name source)
   attn_expect(${name} bad.tsv_unwritable ${kind} 2
               "--tsv /nonexistent_dir/x.tsv: No such file or directory" --tsv
               /nonexistent_dir/x.tsv -b 16384 -H 16384 -n 16384)
+  # A table of another layout is not appended to, and a device that takes no write is
+  # refused before the run too.
+  attn_expect(${name} bad.tsv_other_table ${kind} 2
+              "--tsv .*other_table.tsv: the file holds another table" --tsv
+              ${ATTN_OTHER_TABLE} -b 16384 -H 16384 -n 16384)
+  if(EXISTS /dev/full)
+    attn_expect(${name} bad.tsv_full ${kind} 2 "--tsv /dev/full: No space left on device" --tsv
+                /dev/full -b 16384 -H 16384 -n 16384)
+  endif()
   attn_expect(${name} bad.save_unwritable ${kind} 2
               "--save .*/CMakeLists.txt/saved: Not a directory" --save
               ${CMAKE_CURRENT_SOURCE_DIR}/CMakeLists.txt/saved -b 16384 -H 16384 -n 16384)
