@@ -11,7 +11,7 @@ import attn
 import plots
 import sweep
 
-IDEA_WIDTH = 58  # characters of the idea column; longer ideas wrap onto the next lines
+IDEA_WIDTH = 58  # characters of the idea column; a longer idea is cut at a word, with "..."
 
 
 def main():
@@ -54,15 +54,12 @@ def main():
         for r in rows:
             tf = float(r["tflops"])
             speed = f"{tf:.2f} TFLOP/s" if tf >= 1 else f"{tf * 1e3:.2f} GFLOP/s"
-            # The idea wrapped at word boundaries: the numbers on its first line, the rest
-            # of the phrase on the lines below, in the idea column.
-            idea = textwrap.wrap(ideas.get(r["stage"], ""), IDEA_WIDTH, break_long_words=False,
-                                 break_on_hyphens=False) or [""]
-            print(f"{r['stage']:<18} {idea[0]:<{IDEA_WIDTH}} "
+            # One line per stage: the idea cut at a word (the README's ladder and each
+            # stage's --help have it whole), so that the table reads as a table.
+            idea = textwrap.shorten(ideas.get(r["stage"], ""), IDEA_WIDTH, placeholder="...")
+            print(f"{r['stage']:<18} {idea:<{IDEA_WIDTH}} "
                   f"{float(r['max_err']):8.1e} {float(r['ms']):8.2f}ms {speed:>14} "
                   f"{plots.human_bytes(int(r['workspace_bytes'])):>10}")
-            for more in idea[1:]:
-                print(f"{'':<18} {more}")
         devices = list(dict.fromkeys(r["device"] for r in rows))  # CPU, then GPU, once each
         print(f"\non {' and '.join(devices)}, {rows[0]['date']}")
     cpu = [s for s in stages if s.kind == "cpu"]
