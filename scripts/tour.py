@@ -19,6 +19,8 @@ def main():
     ap.add_argument("--bin", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--results", default=None, help="committed results to draw beside")
+    ap.add_argument("--gpu-not-built", metavar="WHY",
+                    help="the GPU stages were not built, and why (configure's reason)")
     a = ap.parse_args()
     # Line by line, so that the table and the sweep's progress (stderr) keep their order in a
     # log or a pipe.
@@ -32,6 +34,8 @@ def main():
         os.remove(tsv)
     print("The tour: each stage on its default problem (B=1 H=4 N=512 d=64), checked against "
           "the float64 reference.\n")
+    if a.gpu_not_built:
+        print(f"  The GPU stages 03-11 were not built: {a.gpu_not_built}.\n")
     failed, ran = [], []
     for s in stages:
         r = subprocess.run([s.path, "--tsv", tsv], capture_output=True, text=True)
