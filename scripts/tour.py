@@ -28,7 +28,15 @@ def main():
     stages = attn.stages_or_exit(ap, a.bin)
     if os.path.exists(a.out) and not os.path.isdir(a.out):
         ap.error(f"--out: {a.out} is not a folder")
-    os.makedirs(a.out, exist_ok=True)
+    # Every output folder made and proved writable before any stage runs: a path that cannot
+    # be written should cost a second, not the minutes of the sweep.
+    for folder in (a.out, os.path.join(a.out, "sweep"), os.path.join(a.out, "plots")):
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--out: cannot make {folder}: {e.strerror}")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            ap.error(f"--out: {folder} is not writable")
     tsv = os.path.join(a.out, "tour.tsv")
     if os.path.exists(tsv):
         os.remove(tsv)
