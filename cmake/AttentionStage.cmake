@@ -27,11 +27,40 @@ set(ATTN_BATCH_HEADS 1,1 2,3 4,9)
 # Logits of magnitude 1e3 and more: a softmax scale of 100 (instead of 1/8 at d = 64) makes
 # max|S| about 3000 on unit-normal inputs; --inputs large-q reaches about 1e3 with Q scaled up.
 set(ATTN_LARGE_LOGIT_SCALE 100)
+# A TSV file of another table (another first line), which --tsv must refuse to append to.
+set(ATTN_OTHER_TABLE ${CMAKE_BINARY_DIR}/other_table.tsv)
+file(WRITE ${ATTN_OTHER_TABLE} "name\tvalue\nx\t1\n")
+
+# Every GPU test starts through the gate (common/gpu_gate.c): where the fixture gpu.probe
+# found no CUDA device, it exits 77 at once, so that a machine without a GPU skips thousands
+# of tests in seconds instead of asking the CUDA runtime for a device thousands of times.
+# Where the probe found a device, or gave no answer, the test runs as written.
+set(ATTN_GPU_PROBE_ANSWER ${CMAKE_BINARY_DIR}/gpu_probe_answer.txt)
+set(ATTN_GPU_GATE $<TARGET_FILE:attn_gpu_gate> ${ATTN_GPU_PROBE_ANSWER})
+
+# The command of a test of this kind: a GPU test's behind the gate.
+function(attn_gate kind out)
+  if(kind STREQUAL "gpu")
+    set(${out} ${ATTN_GPU_GATE} ${ARGN} PARENT_SCOPE)
+  else()
+    set(${out} ${ARGN} PARENT_SCOPE)
+  endif()
+endfunction()
+
+# What a GPU test needs: the probe's answer, and 77 shown as skipped (the gate's exit).
+function(attn_gate_properties kind name)
+  if(kind STREQUAL "gpu")
+    set_property(TEST ${name} APPEND PROPERTY FIXTURES_REQUIRED gpu_probe)
+    set_tests_properties(${name} PROPERTIES SKIP_RETURN_CODE 77)
+  endif()
+endfunction()
 
 function(attn_test stage case kind)
   set(name ${stage}.${case})
-  add_test(NAME ${name} COMMAND ${stage} ${ARGN})
+  attn_gate(${kind} command $<TARGET_FILE:${stage}> ${ARGN})
+  add_test(NAME ${name} COMMAND ${command})
   set_tests_properties(${name} PROPERTIES LABELS ${kind} SKIP_RETURN_CODE 77 TIMEOUT 600)
+  attn_gate_properties(${kind} ${name})
 endfunction()
 
 # The shared memory per block of the smallest GPUs a stage claims: sm_86 and sm_89 (99 KiB)
@@ -51,11 +80,12 @@ endfunction()
 function(attn_expect stage case kind code regex)
   string(JOIN "^" args ${ARGN})
   set(name ${stage}.${case})
-  add_test(NAME ${name}
-           COMMAND ${CMAKE_COMMAND} -DPROGRAM=$<TARGET_FILE:${stage}> -DARGS=${args}
-                   -DEXPECT_CODE=${code} "-DEXPECT_REGEX=${regex}" -P ${ATTN_CMAKE_DIR}/expect.cmake)
+  attn_gate(${kind} command ${CMAKE_COMMAND} -DPROGRAM=$<TARGET_FILE:${stage}> -DARGS=${args}
+            -DEXPECT_CODE=${code} "-DEXPECT_REGEX=${regex}" -P ${ATTN_CMAKE_DIR}/expect.cmake)
+  add_test(NAME ${name} COMMAND ${command})
   set_tests_properties(${name} PROPERTIES LABELS ${kind} SKIP_REGULAR_EXPRESSION
                                           "${ATTN_SKIP_REGEX}" TIMEOUT 120)
+  attn_gate_properties(${kind} ${name})
 endfunction()
 
 # compute-sanitizer's `tool` on one run of the stage (labels gpu and sanitizer); where the
@@ -63,8 +93,9 @@ endfunction()
 function(attn_sanitizer_test stage case tool)
   set(name ${stage}.sanitizer.${tool}.${case})
   if(ATTN_COMPUTE_SANITIZER)
-    add_test(NAME ${name} COMMAND ${ATTN_COMPUTE_SANITIZER} --tool ${tool} --error-exitcode 1
-                                  $<TARGET_FILE:${stage}> ${ARGN})
+    add_test(NAME ${name} COMMAND ${ATTN_GPU_GATE} ${ATTN_COMPUTE_SANITIZER} --tool ${tool}
+                                  --error-exitcode 1 $<TARGET_FILE:${stage}> ${ARGN})
+    attn_gate_properties(gpu ${name})
   else()
     add_test(NAME ${name} COMMAND ${CMAKE_COMMAND} -E echo
                                   "SKIPPED: no CUDA device tools (compute-sanitizer)")
@@ -78,12 +109,13 @@ endfunction()
 function(attn_compare_runs stage case kind mode)
   string(JOIN "^" args ${ARGN})
   set(name ${stage}.${case})
-  add_test(NAME ${name}
-           COMMAND ${CMAKE_COMMAND} -DPROGRAM=$<TARGET_FILE:${stage}> -DARGS=${args}
-                   -DMODE=${mode} -DWORK_DIR=${CMAKE_CURRENT_BINARY_DIR}/${case}
-                   -P ${ATTN_CMAKE_DIR}/compare_runs.cmake)
+  attn_gate(${kind} command ${CMAKE_COMMAND} -DPROGRAM=$<TARGET_FILE:${stage}> -DARGS=${args}
+            -DMODE=${mode} -DWORK_DIR=${CMAKE_CURRENT_BINARY_DIR}/${case}
+            -P ${ATTN_CMAKE_DIR}/compare_runs.cmake)
+  add_test(NAME ${name} COMMAND ${command})
   set_tests_properties(${name} PROPERTIES LABELS ${kind} SKIP_REGULAR_EXPRESSION
                                           "${ATTN_SKIP_REGEX}" TIMEOUT 300)
+  attn_gate_properties(${kind} ${name})
 endfunction()
 
 function(attention_stage name source)
@@ -400,6 +432,39 @@ function(attention_stage name source)
     set_tests_properties(${name}.save_load PROPERTIES ENVIRONMENT ATTN_DETERMINISTIC=1)
   endif()
 
+  # The check cannot pass a wrong answer at any input size: with O halved after the stage
+  # returns (ATTN_TEST_FAULT, common/runner.c), every input scale from 1 to 1e9 must end in a
+  # mismatch (exit 1) whose result line names O; fp16 stops at 1e4 (1e5 is beyond its range).
+  foreach(dtype ${dtypes})
+    set(t "")
+    if(NOT dtype STREQUAL "fp32")
+      set(t ".${dtype}")
+    endif()
+    set(scales 1 10 100 300 1e3 1e4 1e6 1e9)
+    if(dtype STREQUAL "fp16")
+      set(scales 1 10 100 300 1e3 1e4)
+    endif()
+    foreach(x ${scales})
+      attn_expect(${name} check_catches.halved_o.x${x}${t} ${kind} 1
+                  "FAIL [(]O: max err [^)]* > tol [^)]*[)].*O: mismatch" --dtype ${dtype} -b 1 -H 2
+                  -n 64 -d ${d0} --input-scale ${x})
+      set_tests_properties(${name}.check_catches.halved_o.x${x}${t} PROPERTIES
+                           ENVIRONMENT ATTN_TEST_FAULT=halve-o)
+    endforeach()
+    if(ARG_BACKWARD)
+      # One NaN in one gradient: the backward's line says which tensor and why.
+      foreach(g dq dk dv)
+        string(REPLACE "d" "" gn ${g})
+        string(TOUPPER ${gn} gn)
+        attn_expect(${name} check_catches.nan_${g}${t} ${kind} 1
+                    "bwd .* FAIL [(]d${gn}: 1 non-finite value[)]" --dtype ${dtype} --backward -b 1
+                    -H 2 -n 64 -d ${d0})
+        set_tests_properties(${name}.check_catches.nan_${g}${t} PROPERTIES
+                             ENVIRONMENT ATTN_TEST_FAULT=nan-${g})
+      endforeach()
+    endif()
+  endforeach()
+
   # Bad input: exit 2 with one line saying what and why.
   attn_expect(${name} bad.zero_seq ${kind} 2 "--seq must be an integer" -n 0)
   attn_expect(${name} bad.negative_batch ${kind} 2 "--batch must be an integer" -b -3)
@@ -446,15 +511,15 @@ function(attention_stage name source)
   foreach(bad wrong_dtype wrong_shape fortran_order truncated)
     attn_expect(${name} bad.npy_${bad} ${kind} 2 "npy" --load ${ATTN_NPY_FIXTURES}/${bad} -H 2
                 --seq-q 3 --seq-kv 5 -d ${d0})
-    set_tests_properties(${name}.bad.npy_${bad} PROPERTIES FIXTURES_REQUIRED npy_fixtures)
+    set_property(TEST ${name}.bad.npy_${bad} APPEND PROPERTY FIXTURES_REQUIRED npy_fixtures)
   endforeach()
   attn_expect(${name} bad.npy_negative_dim ${kind} 2 "q.npy: dimension 2 is -3" --load
               ${ATTN_NPY_FIXTURES}/negative_dim -H 2 --seq-q 3 --seq-kv 5 -d ${d0})
   attn_expect(${name} bad.npy_huge_dim ${kind} 2
               "q.npy: dimension 2 is 4611686018427387904. the array's size overflows" --load
               ${ATTN_NPY_FIXTURES}/huge_dim -H 2 --seq-q 3 --seq-kv 5 -d ${d0})
-  set_tests_properties(${name}.bad.npy_negative_dim ${name}.bad.npy_huge_dim
-                       PROPERTIES FIXTURES_REQUIRED npy_fixtures)
+  set_property(TEST ${name}.bad.npy_negative_dim ${name}.bad.npy_huge_dim APPEND
+               PROPERTY FIXTURES_REQUIRED npy_fixtures)
   # The command line: getopt_long's forms and a word that belongs to no option.
   attn_expect(${name} bad.seq_long_form ${kind} 2
               "--seq must be an integer in 1..[0-9]+, got 'abc'" --seq=abc)
@@ -485,6 +550,15 @@ function(attention_stage name source)
   attn_expect(${name} bad.tsv_unwritable ${kind} 2
               "--tsv /nonexistent_dir/x.tsv: No such file or directory" --tsv
               /nonexistent_dir/x.tsv -b 16384 -H 16384 -n 16384)
+  # A table of another layout is not appended to, and a device that takes no write is
+  # refused before the run too.
+  attn_expect(${name} bad.tsv_other_table ${kind} 2
+              "--tsv .*other_table.tsv: the file holds another table" --tsv
+              ${ATTN_OTHER_TABLE} -b 16384 -H 16384 -n 16384)
+  if(EXISTS /dev/full)
+    attn_expect(${name} bad.tsv_full ${kind} 2 "--tsv /dev/full: No space left on device" --tsv
+                /dev/full -b 16384 -H 16384 -n 16384)
+  endif()
   attn_expect(${name} bad.save_unwritable ${kind} 2
               "--save .*/CMakeLists.txt/saved: Not a directory" --save
               ${CMAKE_CURRENT_SOURCE_DIR}/CMakeLists.txt/saved -b 16384 -H 16384 -n 16384)

@@ -7,9 +7,14 @@ if(TARGET cublas_baseline)
 endif()
 
 if(Python3_Interpreter_FOUND)
+  # Where the GPU stages were not built, the tour says why in its first lines too.
+  set(tour_note "")
+  if(NOT ATTN_CUDA)
+    set(tour_note --gpu-not-built "${ATTN_CUDA_WHY}")
+  endif()
   add_custom_target(tour
     COMMAND ${Python3_EXECUTABLE} ${ATTN_SCRIPTS}/tour.py --bin ${ATTN_BIN_DIR}
-            --out ${CMAKE_BINARY_DIR}/tour
+            --out ${CMAKE_BINARY_DIR}/tour ${tour_note}
     DEPENDS ${stages} ${ATTN_EXTRA_PROGRAMS} USES_TERMINAL
     COMMENT "The tour: every stage on its default problem, the CPU sweep, the plots")
   # The benchmark: the sweep of every stage this machine can run (and PyTorch's SDPA

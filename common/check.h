@@ -26,6 +26,11 @@ void attn_check_backward(const attn_check_inputs *in, const float *o, const floa
                          const float *dq, const float *dk, const float *dv, double *err,
                          double *tol, int *ok);
 
+/* Why this thread's last check failed, in a few words that name the tensor ("dK: 12 non-finite
+ * values", "dQ: max err 2.1e-03 > tol 6.4e-04"); "" when it passed. The checks above also
+ * refuse, with exit 2, a problem whose tolerance would be as large as the answer itself. */
+const char *attn_check_verdict(void);
+
 /* Only that every output is finite and LSE is -inf exactly on the rows that see no key
  * (dq, dk, dv may be NULL): for inputs so large that no fp32 result can be compared. */
 int attn_check_finite(const attn_check_inputs *in, const float *o, const float *lse,

@@ -8,6 +8,7 @@ named with its device. Where gnuplot is missing the data and scripts are still w
 and one line says how to install it."""
 import argparse
 import glob
+import math
 import os
 import shutil
 import subprocess
@@ -147,7 +148,12 @@ def ladder(rows, out_dir, prefix, only):
                 f"(CPU: 1 head; GPU: H = 32, B = 4)\\n{{/*0.8 {stamp([b[2] for b in bars])}}}\"\n")
         f.write("set ylabel 'TFLOP/s (log scale)'\nset logscale y\nset grid ytics\n")
         f.write("set boxwidth 0.6\nset xtics rotate by -30 noenhanced\n")
-        f.write("set key top left vertical maxrows 3\nset yrange [0.001:30000]\n")
+        # The range from the data, a decade of room on each side: a fixed 0.001-30000 left a
+        # CPU-only machine's bars (a few GFLOP/s) flat at the bottom.
+        values = [b[1] for b in bars if b[1] > 0] + [y for _, y in lines if y > 0]
+        lo = 10 ** (math.floor(math.log10(min(values))) - 1) if values else 0.001
+        hi = 10 ** (math.ceil(math.log10(max(values))) + 1) if values else 30000
+        f.write(f"set key top left vertical maxrows 3\nset yrange [{lo:g}:{hi:g}]\n")
         f.write(f"set xrange [-0.6:{len(bars) - 0.4}]\n")
         f.write("plot " + ", \\\n     ".join(plotted) + "\n")
     return gp

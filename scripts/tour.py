@@ -11,7 +11,7 @@ import attn
 import plots
 import sweep
 
-IDEA_WIDTH = 58  # characters of the idea column; longer ideas wrap onto the next lines
+IDEA_WIDTH = 58  # characters of the idea column; a longer idea is cut at a word, with "..."
 
 
 def main():
@@ -19,6 +19,8 @@ def main():
     ap.add_argument("--bin", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--results", default=None, help="committed results to draw beside")
+    ap.add_argument("--gpu-not-built", metavar="WHY",
+                    help="the GPU stages were not built, and why (configure's reason)")
     a = ap.parse_args()
     # Line by line, so that the table and the sweep's progress (stderr) keep their order in a
     # log or a pipe.
@@ -26,12 +28,22 @@ def main():
     stages = attn.stages_or_exit(ap, a.bin)
     if os.path.exists(a.out) and not os.path.isdir(a.out):
         ap.error(f"--out: {a.out} is not a folder")
-    os.makedirs(a.out, exist_ok=True)
+    # Every output folder made and proved writable before any stage runs: a path that cannot
+    # be written should cost a second, not the minutes of the sweep.
+    for folder in (a.out, os.path.join(a.out, "sweep"), os.path.join(a.out, "plots")):
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--out: cannot make {folder}: {e.strerror}")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            ap.error(f"--out: {folder} is not writable")
     tsv = os.path.join(a.out, "tour.tsv")
     if os.path.exists(tsv):
         os.remove(tsv)
     print("The tour: each stage on its default problem (B=1 H=4 N=512 d=64), checked against "
           "the float64 reference.\n")
+    if a.gpu_not_built:
+        print(f"  The GPU stages 03-11 were not built: {a.gpu_not_built}.\n")
     failed, ran = [], []
     for s in stages:
         r = subprocess.run([s.path, "--tsv", tsv], capture_output=True, text=True)
@@ -54,15 +66,12 @@ def main():
         for r in rows:
             tf = float(r["tflops"])
             speed = f"{tf:.2f} TFLOP/s" if tf >= 1 else f"{tf * 1e3:.2f} GFLOP/s"
-            # The idea wrapped at word boundaries: the numbers on its first line, the rest
-            # of the phrase on the lines below, in the idea column.
-            idea = textwrap.wrap(ideas.get(r["stage"], ""), IDEA_WIDTH, break_long_words=False,
-                                 break_on_hyphens=False) or [""]
-            print(f"{r['stage']:<18} {idea[0]:<{IDEA_WIDTH}} "
+            # One line per stage: the idea cut at a word (the README's ladder and each
+            # stage's --help have it whole), so that the table reads as a table.
+            idea = textwrap.shorten(ideas.get(r["stage"], ""), IDEA_WIDTH, placeholder="...")
+            print(f"{r['stage']:<18} {idea:<{IDEA_WIDTH}} "
                   f"{float(r['max_err']):8.1e} {float(r['ms']):8.2f}ms {speed:>14} "
                   f"{plots.human_bytes(int(r['workspace_bytes'])):>10}")
-            for more in idea[1:]:
-                print(f"{'':<18} {more}")
         devices = list(dict.fromkeys(r["device"] for r in rows))  # CPU, then GPU, once each
         print(f"\non {' and '.join(devices)}, {rows[0]['date']}")
     cpu = [s for s in stages if s.kind == "cpu"]

@@ -35,7 +35,12 @@ import os
 import re
 import warnings
 
-import torch
+try:
+    import torch
+except ImportError as e:  # not a dependency pip installs: the user picks a CPU or CUDA build
+    raise ImportError("flash_stages needs PyTorch (2.5 or later), which is not installed for "
+                      "this Python: install the build you want first (CPU or CUDA, see "
+                      "https://pytorch.org/get-started/locally/)") from e
 
 from . import _library
 
@@ -88,6 +93,13 @@ class StageInfo:
 
 _LIBS, LIBRARY_DIR = _library.load_all()
 _INFO = {name: StageInfo(lib) for name, lib in _LIBS.items()}
+if not _LIBS:
+    # Once, at import: without it stages() is silently [] and every call falls back or fails.
+    warnings.warn("flash_stages: no stage library loaded (looked in: " +
+                  ", ".join(_library.library_dirs()) + "); build them with `cmake -S . -B build "
+                  "-DATTN_PYTHON=ON && cmake --build build` in the repository, or set "
+                  "FLASH_STAGES_LIB_DIR to the folder that holds libattn_<stage>.so",
+                  stacklevel=2)
 # The pointers and shape of the last kernel call, so that a test can see that the kernels
 # read and wrote PyTorch's own tensors.
 last_call = {}

@@ -5,8 +5,8 @@ Where the libraries are looked for, first match wins:
   1. the folder in the environment variable FLASH_STAGES_LIB_DIR;
   2. flash_stages/lib inside the package (what `cmake --build build --target python_package`
      fills, and what `pip install ./python` then installs);
-  3. build/lib and build-gpu/lib of the repository the package sits in (a checkout used in
-     place, without installing).
+  3. build/lib, build-dev/lib and build-gpu/lib of the repository the package sits in (a
+     checkout used in place, without installing; not looked at for an installed package).
 """
 import ctypes
 import glob
@@ -128,13 +128,18 @@ class StageLibrary:
 
 
 def library_dirs():
+    """The folders looked in, in order: only real candidates, so that a message listing them
+    names places that can hold the libraries."""
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(here))
     dirs = []
     if os.environ.get("FLASH_STAGES_LIB_DIR"):
         dirs.append(os.environ["FLASH_STAGES_LIB_DIR"])
-    dirs += [os.path.join(here, "lib"), os.path.join(root, "build", "lib"),
-             os.path.join(root, "build-gpu", "lib")]
+    dirs.append(os.path.join(here, "lib"))
+    # The repository's build folders, where the package is the checkout's python/flash_stages
+    # (an installed copy in site-packages has no repository around it).
+    if os.path.exists(os.path.join(root, "CMakePresets.json")):
+        dirs += [os.path.join(root, b, "lib") for b in ("build", "build-dev", "build-gpu")]
     return dirs
 
 
