@@ -15,19 +15,19 @@ if(Python3_Interpreter_FOUND)
   add_custom_target(tour
     COMMAND ${Python3_EXECUTABLE} ${ATTN_SCRIPTS}/tour.py --bin ${ATTN_BIN_DIR}
             --out ${CMAKE_BINARY_DIR}/tour ${tour_note}
-    DEPENDS ${stages} ${ATTN_EXTRA_PROGRAMS} USES_TERMINAL
+    DEPENDS ${stages} ${ATTN_EXTRA_PROGRAMS} USES_TERMINAL VERBATIM
     COMMENT "The tour: every stage on its default problem, the CPU sweep, the plots")
   # The benchmark: the sweep of every stage this machine can run (and PyTorch's SDPA
   # backends where PyTorch can run), rows into docs/results/<device>/, then the plots and
   # the README's results table.
   add_custom_target(bench
     COMMAND ${Python3_EXECUTABLE} ${ATTN_SCRIPTS}/bench.py --bin ${ATTN_BIN_DIR}
-    DEPENDS ${stages} ${ATTN_EXTRA_PROGRAMS} USES_TERMINAL
+    DEPENDS ${stages} ${ATTN_EXTRA_PROGRAMS} USES_TERMINAL VERBATIM
     COMMENT "The benchmark sweep: rows into docs/results/<device>/, plots, README table")
   add_custom_target(plots
     COMMAND ${Python3_EXECUTABLE} ${ATTN_SCRIPTS}/plots.py --results ${CMAKE_BINARY_DIR}/tour/sweep
             --out ${CMAKE_BINARY_DIR}/tour/plots
-    USES_TERMINAL)
+    USES_TERMINAL VERBATIM)
   # The README's results table and ARCHITECTURE.md's diff table are generated: this test
   # fails when a row or a stage source changed and they were not regenerated. Label "docs":
   # the dev preset (CI) runs it; the README's test command leaves it out, so that a learner
