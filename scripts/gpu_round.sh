@@ -38,7 +38,10 @@
 # PYBENCH: extra bench.py arguments.
 # decode: stage 11's decode benchmark (scripts/decode_bench.py: the stage through its library
 # beside SDPA with enable_gqa, against the copy bandwidth), rows in OUT_DIR/rows/decode.tsv;
-# DECODE_BUDGET: its seconds (default 240); needs the build configured with ATTN_PYTHON on.
+# DECODE_BUDGET: its seconds (default 240); DECODE_BENCH: extra decode_bench.py arguments
+# (--chunk-sweep adds rows/decode_chunks.tsv, the chunk rule's sweep); needs the build
+# configured with ATTN_PYTHON on. Stage 11 alone: TESTS="-R ^11_" with the tests and
+# sanitizer phases, then decode.
 # PACK=1: at the end every file of OUT_DIR but summary.txt goes into OUT_DIR/results.tgz,
 # for a transport that brings back only a few files.
 # Exit status: 0 when every phase it ran succeeded (every test passed or was skipped, no sweep
@@ -114,11 +117,13 @@ python_package() {
 }
 decode() {
   local rc=0
+  # shellcheck disable=SC2086 # DECODE_BENCH holds words
   python3 scripts/decode_bench.py --bin build-gpu/bin --lib build-gpu/lib --out "$out/decode" \
-    --budget "${DECODE_BUDGET:-240}" > "$out/decode.log" 2>&1 || rc=$?
+    --budget "${DECODE_BUDGET:-240}" ${DECODE_BENCH:-} > "$out/decode.log" 2>&1 || rc=$?
   [ $rc = 0 ] || status=1
   log "decode: exit $rc; $(grep -E '^B = 1|^At least' "$out/decode.log" | tr '\n' ' ')"
   cp "$out/decode/rows/decode.tsv" "$results/decode.tsv" 2>/dev/null
+  cp "$out/decode/rows/decode_chunks.tsv" "$results/decode_chunks.tsv" 2>/dev/null
 }
 variants() {
   local words

@@ -174,7 +174,7 @@ def histogram_script(out, title, axes, plotted):
 
 
 # Stage 10's A/B table: each technique added to the one before, beside SDPA, from the
-# newest command of 10_hopper_wgmma-variants.tsv that measured every step.
+# newest command of 10_hopper_wgmma-ab.tsv that measured every step.
 HOPPER_STEPS = [("09_swizzle_pipeline", "09 (mma.sync, cp.async)"),
                 ("10_hopper_wgmma:tma_alone", "TMA alone"),
                 ("10_hopper_wgmma:tma_wgmma", "+ wgmma"),
@@ -184,7 +184,7 @@ HOPPER_STEPS = [("09_swizzle_pipeline", "09 (mma.sync, cp.async)"),
 
 
 def hopper_steps(result_dir, out_dir):
-    path = os.path.join(result_dir, "10_hopper_wgmma-variants.tsv")
+    path = os.path.join(result_dir, "10_hopper_wgmma-ab.tsv")
     if not os.path.exists(path):
         return None
     rows = [r for r in attn.read_rows(path) if r["direction"] == "fwd" and r["dtype"] == "fp16"]
@@ -213,7 +213,7 @@ def hopper_steps(result_dir, out_dir):
 
 
 # Stage 09's A/B table: what the stage gains over each switch turned off alone, forward and
-# backward, each from the newest command of 09_swizzle_pipeline-variants.tsv that timed that
+# backward, each from the newest command of 09_swizzle_pipeline-ab.tsv that timed that
 # switch in that direction (a switch of one direction is drawn in the other too where that
 # command timed both: what it then shows is the noise of timing the same kernel twice).
 SWIZZLE_SWITCHES = [("swizzle_off", "swizzle"), ("whole_tiles_off", "whole tiles"),
@@ -224,7 +224,7 @@ SWIZZLE_SWITCHES = [("swizzle_off", "swizzle"), ("whole_tiles_off", "whole tiles
 
 
 def swizzle_switches(result_dir, out_dir):
-    path = os.path.join(result_dir, "09_swizzle_pipeline-variants.tsv")
+    path = os.path.join(result_dir, "09_swizzle_pipeline-ab.tsv")
     if not os.path.exists(path):
         return None
     rows = [r for r in attn.read_rows(path) if r["dtype"] == "fp16"]

@@ -65,9 +65,8 @@ def results_table(root):
                      f"{links}.")
     lines += ["", f"Forward and backward TFLOP/s at N = {N}, non-causal (GPU: H = 2048/d, "
               f"B = 16384/N; CPU: one head, d = 64); the forward as a percentage of PyTorch's "
-              f"SDPA backends on the same GPU, measured in one command with the stage's rows "
-              f"where they name a `run`, otherwise the SDPA rows of their day, from another "
-              f"command: the half-precision stages of `flash` (FlashAttention-2) and `cudnn` "
+              f"SDPA backends measured in the same command as the stage's rows (each stage's "
+              f"latest run; the `run` column of the TSV names it): the half-precision stages of `flash` (FlashAttention-2) and `cudnn` "
               f"in fp16, the fp32 ones of `efficient` in fp32 (flash and cuDNN have no fp32); "
               f"a dash where the stage's run timed no such backend; "
               f"memory: CPU workspace at N = 8192, GPU device "
@@ -130,22 +129,24 @@ def results_table(root):
                          f" | {dtype} | {tf(cells['fwd', '64'])} | {tf(cells['fwd', '128'])} "
                          f"| {tf(cells['bwd', '64'])} | {tf(cells['bwd', '128'])} "
                          f"| {'; '.join(ratios) or '-'} | {memory} |")
-    runs = sorted({attn.run_of(r) for r in gpu if r["stage"].startswith("sdpa_")})
+    # One row per SDPA backend and dtype: its latest run at the table's size (the plots draw
+    # the same), dated; each stage's % column above compares with SDPA of the stage's own run.
+    first = {}
+    for k, r in enumerate(gpu):
+        first.setdefault(attn.run_of(r), k)
     peer_rows = (("flash", "fp16"), ("cudnn", "fp16"), ("efficient", "fp16"),
                  ("efficient", "fp32"))
-    for name, dtype, run in ((n, t, run) for n, t in peer_rows for run in runs):
+    for name, dtype in peer_rows:
         rows = [r for r in gpu if r["stage"] == f"sdpa_{name}" and r["dtype"] == dtype
-                and attn.run_of(r) == run]
+                and r["Nq"] == N and r["causal"] == "0"]
         if not rows:
             continue
-        c = {(di, d): pick(rows, direction=di, Nq=N, d=d, causal="0")
-             for di in ("fwd", "bwd") for d in ("64", "128")}
-        if not any(c.values()):
-            continue  # a run of other sequence lengths only
-        when = (f", {run[0]}" + (f" ({run[1]})" if run[1] else "")) if len(runs) > 1 else ""
-        lines.append(f"| PyTorch SDPA `{name}`{when} | reference | {dtype} | {tf(c['fwd', '64'])} "
-                     f"| {tf(c['fwd', '128'])} | {tf(c['bwd', '64'])} | {tf(c['bwd', '128'])} "
-                     f"| | |")
+        run = max({attn.run_of(r) for r in rows}, key=lambda run: (run[0], first[run]))
+        rows = [r for r in rows if attn.run_of(r) == run]
+        c = {(di, d): pick(rows, direction=di, d=d) for di in ("fwd", "bwd") for d in ("64", "128")}
+        lines.append(f"| PyTorch SDPA `{name}`, {run[0]} | reference | {dtype} "
+                     f"| {tf(c['fwd', '64'])} | {tf(c['fwd', '128'])} | {tf(c['bwd', '64'])} "
+                     f"| {tf(c['bwd', '128'])} | | |")
     return "\n".join(lines)
 
 
