@@ -37,7 +37,9 @@ for variant in "base=" "$@"; do
   label=${variant%%=*} flags=${variant#*=}
   bin="$bins/$stage-$label"
   # A kept binary is reused only if built from these very sources, flags and arch.
-  key="$(cat "$stage/attention.cu" common/*.h common/*.c common/*.cu | sha256sum | cut -c1-16)"
+  # attention.cu includes the stage's pass files, and earlier stages' (*/*.cuh).
+  key="$(cat "$stage/attention.cu" ./*/*.cuh common/*.h common/*.c common/*.cu | sha256sum |
+    cut -c1-16)"
   key="$key sm_$arch $flags"
   if [ ! -x "$bin" ] || [ "$(cat "$bin.key" 2>/dev/null)" != "$key" ]; then
     echo "variants.sh: building $stage-$label ($flags)" >&2
