@@ -8,8 +8,8 @@
 #include "gpu.h"
 #include "tiles.cuh"
 
-/* Keys per dK/dV block, 16 a warp: 8 warps, so that each Q and dO tile serves 128 keys
- * (stage 08 on an H100, fp16, N = 4096 and 16384: 8 warps 35% faster than 4 at d = 128). */
+/* Keys per dK/dV block, 16 a warp: 8 warps, so that each Q and dO tile copied into shared
+ * memory serves 128 keys (8 warps against 4: docs/techniques.md). */
 constexpr int Bc_bwd = 128;
 /* Keys per dK/dV block where the device cannot give a block dkdv_bytes(d, Bc_bwd): half the
  * keys, half the K and V tiles (123 KiB at d = 128; sm_86 and sm_89 allow 99 KiB). */

@@ -8,8 +8,8 @@
 #include "gpu.h"
 #include "tiles.cuh"
 
-/* Keys per dK/dV block, 16 a warp: 8 warps, so that each Q and dO tile serves 128 keys
- * (stage 08 on an H100, fp16, N = 4096 and 16384: 8 warps 35% faster than 4 at d = 128). */
+/* Keys per dK/dV block, 16 a warp: 8 warps, so that each Q and dO tile copied into shared
+ * memory serves 128 keys (8 warps against 4: docs/techniques.md). */
 constexpr int Bc_bwd = 128;
 /* Keys per dK/dV block where the device cannot give a block dkdv_bytes(d, Bc_bwd): half the
  * keys and query rows (137 KiB at d = 128; sm_86 and sm_89 allow 99 KiB, sm_80 163 KiB). */
@@ -22,12 +22,12 @@ constexpr int WarpKeys = MmaM;
 /* Query rows per tile of the dK/dV kernel: half its keys (64 rows, like Bc in the forward). */
 __host__ __device__ constexpr int rows_bwd(int bc) { return bc / 2; }
 /* The dQ kernel: 4 warps of 16 query rows, tiles of 32 keys, so that 3 blocks (68 KiB each at
- * d = 128) share an SM: backward +3 to +7% at d = 128, +2 to +3% at d = 64, against 64 keys. */
+ * d = 128) share an H100's SM, where 64 keys fit 2 (docs/techniques.md). */
 constexpr int Br_dq = 4 * MmaM, Bc_dq = 32;
 static_assert(rows_bwd(Bc_bwd_small) % MmaK == 0 && Bc_dq % MmaK == 0, "whole k-steps");
 
 /* Blocks of the dK/dV kernel that must fit an SM, which caps its registers: at d <= 64, 2
- * (128 registers: backward +12 to +16% against the compiler's 134 and one block); at d = 128,
+ * (128 registers, against the compiler's 134 and one block); at d = 128,
  * where dK and dV alone take 128 registers, 1. */
 __host__ __device__ constexpr int dkdv_blocks_per_sm(int d) { return d <= 64 ? 2 : 1; }
 /* Blocks of the dQ kernel that must fit an H100's SM, with its Q and dO operands in registers: 4 at

@@ -10,14 +10,13 @@
 
 /* A warp's query rows in the forward, in fragments: at d = 128 two, so that each K and V
  * operand loaded feeds two mma.sync; at d <= 64 one, which leaves registers for two blocks of
- * 8 warps an SM. Measured (H100, fp16, N = 4096 and 16384, forward TFLOP/s): at d = 128, 32
- * rows a warp 251-267 against 16 rows 202-213; at d = 64, 32 rows 4-5% slower than 16. */
+ * 8 warps an SM (both choices measured: docs/techniques.md). */
 __host__ __device__ constexpr int row_frags(int d) { return d > 64 ? 2 : 1; }
 /* Query rows per block: 128, so that each K and V tile copied into shared memory serves 128
  * rows (8 warps of 16 rows, or 4 of 32). */
 constexpr int Br = 128;
 /* Keys per tile: a tile's Bc scores are a register array per thread, so Bc is small;
- * 64 keys, 32 scores a lane per 16 rows, ran 2-4% faster than 32 at d = 64, 4% at d = 128. */
+ * 64 keys, 32 scores a lane per 16 rows (faster than 32 at every d: docs/techniques.md). */
 #ifndef ATTN_BC
 #define ATTN_BC 64
 #endif
@@ -155,10 +154,9 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
   T *Qs = Vs + 2 * BC * padded<T>(D); /* K and V double-buffered, then the Q tile */
   /* Causal blocks have unequal work: row block r does about r + 1 times row block 0's. Ordered by
    * row block across all heads, every head's heaviest block starts first and the light ones
-   * fill the tail (measured at N = 4096, d = 64: ordered per head, the heavy blocks of the
-   * last heads started last and causal was only 1.57x faster than non-causal; ordered
-   * across heads, 1.88x). Non-causal blocks are equal, so a head's blocks stay adjacent and
-   * share its K and V in L2 (ordered across heads instead: 6.5% slower). */
+   * fill the tail (ordered per head, the heavy blocks of the last heads would start last).
+   * Non-causal blocks are equal, so a head's blocks stay adjacent and share its K and V in
+   * L2. (05's README measures both orders.) */
   int row_blocks = (nq + Br - 1) / Br;
   long bh = causal ? blockIdx.x % heads : blockIdx.x / row_blocks;
   int i0 =

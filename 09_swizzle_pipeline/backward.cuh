@@ -9,23 +9,22 @@
 #include "gpu.h"
 #include "tiles.cuh"
 
-/* Keys per dK/dV block, 16 a warp: 8 warps, so that each Q and dO tile serves 128 keys
- * (stage 08 on an H100, fp16, N = 4096 and 16384: 8 warps 35% faster than 4 at d = 128). */
+/* Keys per dK/dV block, 16 a warp: 8 warps, so that each Q and dO tile copied into shared
+ * memory serves 128 keys (8 warps against 4: docs/techniques.md). */
 constexpr int Bc_bwd = 128;
 /* Keys per dK/dV block where the device cannot give a block dkdv_bytes(d, Bc_bwd): half the
  * keys and query rows (161 KiB at d = 128; sm_86 and sm_89 allow 99 KiB, sm_80 163 KiB). */
 constexpr int Bc_bwd_small = 64;
 /* Query steps (16 queries) per load of a dK/dV warp's K and V operands, each feeding QSteps
- * products. Backward TFLOP/s (N = 4096 and 16384, one command): d = 128, 4 steps 164-204,
- * 1 146-180, 2 157-196; d = 64, 2 steps 160-196, 1 159-191, 4 151-183 (spills). */
+ * products: 4 at d = 128, 2 at d <= 64, where 4 spills (the README's A/B table). */
 #ifndef ATTN_BWD_QSTEPS
 #define ATTN_BWD_QSTEPS 0 /* N: N steps at every d */
 #endif
 __host__ __device__ constexpr int query_steps(int d) {
   return ATTN_BWD_QSTEPS ? ATTN_BWD_QSTEPS : d > 64 ? 4 : 2;
 }
-/* A dK/dV warp's keys: 32, so that each Q and dO operand it loads feeds two mma.sync; against
- * 16 (-DATTN_BWD_WARP_KEYS=16), backward +8 to +12% at d = 64, +2 to +4% at d = 128. */
+/* A dK/dV warp's keys: 32, so that each Q and dO operand it loads feeds two mma.sync
+ * (-DATTN_BWD_WARP_KEYS=16: 16 keys, the README's A/B table). */
 #ifndef ATTN_BWD_WARP_KEYS
 #define ATTN_BWD_WARP_KEYS 32
 #endif
@@ -43,7 +42,7 @@ __host__ __device__ constexpr int dkdv_threads(int d, int bc) {
 /* Query rows per tile of the dK/dV kernel: half its keys (64 rows, like Bc in the forward). */
 __host__ __device__ constexpr int rows_bwd(int bc) { return bc / 2; }
 /* The dQ kernel: 4 warps of 16 query rows, tiles of 32 keys, so that 3 blocks (68 KiB each at
- * d = 128) share an SM: backward +3 to +7% at d = 128, +2 to +3% at d = 64, against 64 keys. */
+ * d = 128) share an H100's SM, where 64 keys fit 2 (docs/techniques.md). */
 constexpr int Br_dq = 4 * MmaM, Bc_dq = 32;
 static_assert(rows_bwd(Bc_bwd_small) % MmaK == 0 && Bc_dq % MmaK == 0, "whole k-steps");
 
@@ -75,7 +74,7 @@ __host__ __device__ constexpr int dq_blocks_per_sm(int d) {
 
 /* dQ's atomics on sm_90 and later: a lane adds its two adjacent columns as one float2, so a
  * warp's atomic fills 8 whole 32-byte sectors of L2 where two of single floats send them half
- * full: backward +17 to +22% (a float4 over two lanes: 0 to 1% slower at d = 128).
+ * full (the README's A/B table; a float4 over two lanes gains nothing more).
  * -DATTN_PAIRED_ATOMICS=0 adds single floats, as sm_80 (no vector atomics) always does. */
 #ifndef ATTN_PAIRED_ATOMICS
 #define ATTN_PAIRED_ATOMICS 1
@@ -214,8 +213,8 @@ __device__ void probabilities_and_ds(const float *s, const float *dp, float scal
 }
 
 /* dQ += dS K for one query tile of the dK/dV kernel (dS read transposed from dS^T in shared
- * memory): warp w takes 32 queries and Cols columns (at 32 x 32, 4 ldmatrix.x4 for 8 mma.sync;
- * 16 x 64 read 5: backward +2 to +4% at d = 64) and adds them into the fp32 dQ by atomics,
+ * memory): warp w takes 32 queries and Cols columns (at 32 x 32, 4 ldmatrix.x4 for 8 mma.sync,
+ * where 16 x 64 read 5) and adds them into the fp32 dQ by atomics,
  * rows past `rows` left out. Other key blocks add into the same rows in no fixed order, so
  * dQ's last bits change from run to run; ATTN_DETERMINISTIC=1 runs the dQ kernel instead. */
 template <int D, int BC, typename T>
@@ -311,7 +310,7 @@ __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
   T *dSt = reinterpret_cast<T *>(reinterpret_cast<unsigned char *>(smem_bwd) + ds_offset);
   T *Pt = dSt + BC * padded<T>(Br_bwd); /* P^T of the tile, if Split > 1 */
   /* Causal: key block 0 has the most query tiles, so blocks go by key block across heads,
-   * heaviest first (the forward's order, mirrored; +5% at d = 128, N = 4096, else within 1%). */
+   * heaviest first (the forward's order, mirrored: docs/techniques.md). */
   int key_blocks = (nkv + BC - 1) / BC;
   long bh = causal ? blockIdx.x % heads : blockIdx.x / key_blocks;
   int kb = (int)(causal ? blockIdx.x / heads : blockIdx.x % key_blocks);

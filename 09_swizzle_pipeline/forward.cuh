@@ -9,10 +9,7 @@
 #include "tiles.cuh"
 
 /* A warp's query rows in the forward, in fragments: two at every d (08: one at d <= 64), so
- * that each K and V operand loaded feeds two mma.sync. Measured (H100, fp16, N = 4096 to 16384,
- * forward TFLOP/s): at d = 128, 32 rows a warp 251-267 against 16 rows 202-213 (08); at d = 64
- * 287-310 over 64-key tiles, 324-360 over 128, against 273-291 for 16 rows over 64 keys (one
- * command, 02f781e). */
+ * that each K and V operand loaded feeds two mma.sync (the README's A/B table). */
 #ifndef ATTN_ROW_FRAGS
 #define ATTN_ROW_FRAGS 2 /* at d <= 64; 1: 16 rows */
 #endif
@@ -20,10 +17,9 @@ __host__ __device__ constexpr int row_frags(int d) { return d > 64 ? 2 : ATTN_RO
 /* Query rows per block: 128, so that each K and V tile copied into shared memory serves 128
  * rows (8 warps of 16 rows, or 4 of 32). */
 constexpr int Br = 128;
-/* Keys per tile: a tile's Bc scores are a register array per thread, so Bc is small;
- * 64 keys, 32 scores a lane per 16 rows, ran 2-4% faster than 32 at d = 64, 4% at d = 128.
- * At d <= 64, 128 (FlashAttention-2's 128 x 128 tile, no spill): with 32-row warps 13-17%
- * faster than 64 keys; at d = 128, where O takes 128 registers, 128 keys spill 928 bytes. */
+/* Keys per tile: a tile's Bc scores are a register array per thread, so Bc is small: 64
+ * keys at d = 128, where O takes 128 registers and 128 keys spill 928 bytes; at d <= 64, 128
+ * (FlashAttention-2's 128 x 128 tile, no spill; the README's A/B table). */
 #ifndef ATTN_BC
 #define ATTN_BC 128 /* at d <= 64; 64: 64 keys */
 #endif
@@ -53,7 +49,7 @@ __device__ void compute_qk_scores_and_max(const T *Q, const T *K, int cols, bool
     mma_tile<D, false, BC, RowFrags>(s, a, K, 0, kk * MmaK);
   }
   /* A compare and a select per element, which a branch skips on unmasked tiles at every d (08
-   * predicates them at d = 128; in 09 that spills 16 bytes, and the branch is 5-8% faster). */
+   * predicates them at d = 128; in 09 that spills 16 bytes, and the branch is faster). */
   int t = threadIdx.x % Quad;
   if (diagonal || cols < BC)
 #pragma unroll
@@ -105,8 +101,8 @@ __device__ void merge_block_stats(const float *m_blk, float scale_log2, float *m
  * end); acc += P V, two S accumulators per 16 keys an A operand. At d <= 64 the exponent is
  * one FFMA, s c - m c (c = scale log2 e) with m c rounded apart: the exponent moves by at most
  * 2^-14 while every row of the warp has |m c| < FoldLimit; past that (logits near 1e11, where
- * that rounding is 4096) the warp subtracts m first, exactly. Forward +4.6 to +9% at d = 64 (the
- * A/B table); at d = 128 3-5% slower, so 08's form there (everywhere with -DATTN_FFMA_FOLD=0). */
+ * that rounding is 4096) the warp subtracts m first, exactly. Faster at d = 64 and slower at
+ * d = 128 (the README's A/B table), so 08's form there (everywhere with -DATTN_FFMA_FOLD=0). */
 #ifndef ATTN_FFMA_FOLD
 #define ATTN_FFMA_FOLD 1
 #endif
@@ -200,10 +196,9 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), ForwardBlocksPe
   T *Qs = Vs + BUFFERS * BC * padded<T>(D); /* K and V buffers, then the Q tile */
   /* Causal blocks have unequal work: row block r does about r + 1 times row block 0's. Ordered by
    * row block across all heads, every head's heaviest block starts first and the light ones
-   * fill the tail (measured at N = 4096, d = 64: ordered per head, the heavy blocks of the
-   * last heads started last and causal was only 1.57x faster than non-causal; ordered
-   * across heads, 1.88x). Non-causal blocks are equal, so a head's blocks stay adjacent and
-   * share its K and V in L2 (ordered across heads instead: 6.5% slower). */
+   * fill the tail (ordered per head, the heavy blocks of the last heads would start last).
+   * Non-causal blocks are equal, so a head's blocks stay adjacent and share its K and V in
+   * L2. (05's README measures both orders.) */
   int row_blocks = (nq + Br - 1) / Br;
   long bh = causal ? blockIdx.x % heads : blockIdx.x / row_blocks;
   int i0 =

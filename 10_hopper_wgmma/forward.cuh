@@ -18,9 +18,8 @@ __host__ __device__ constexpr int row_frags(int) { return 1; }
 /* Consumer warpgroups per block: at d = 128, 2, so that a block's Q tile is 128 rows (as in
  * 09) and each K and V tile copied into shared memory serves 128 rows. At d <= 64 a tile's
  * products take half as long for the same exponentials, so 3 (FlashAttention-3's 192 rows):
- * one more warpgroup whose softmax can run while the others' products do. Measured on an
- * H100 (fp16, N = 4096 and 16384, causal and not, one command): forward +14 to +19% at
- * d = 64 against two (-DATTN_SMALL_D_CONSUMERS=2). */
+ * one more warpgroup whose softmax can run while the others' products do (against two,
+ * -DATTN_SMALL_D_CONSUMERS=2: the README's A/B table). */
 #ifndef ATTN_SMALL_D_CONSUMERS
 #define ATTN_SMALL_D_CONSUMERS 3
 #endif
@@ -33,10 +32,9 @@ __host__ __device__ constexpr int block_rows(int d) { return consumers(d) * Wgmm
 constexpr int Bc = 128;
 /* The techniques of the A/B table, each a compile-time switch: -DATTN_WARP_SPECIALIZE=0 has
  * no producer warpgroup (thread 0, a consumer, issues the copies as it goes), and
- * -DATTN_OVERLAP=0 waits for each product before the next step. Measured on an H100 (fp16,
- * forward, N = 4096 and 16384, causal and not, one command, two consumers): the producer
- * warpgroup +7 to +18% at d = 128 and +8 to +23% at d = 64; the overlap +4 to +9% at d = 128
- * and -1 to -4% at d = 64 (with three consumers there, -3% to +4%: it stays for one loop). */
+ * -DATTN_OVERLAP=0 waits for each product before the next step. What each buys is the README's
+ * A/B table (the overlap gains at d = 128 and is within noise at d = 64, where it stays so that
+ * one loop serves both). */
 #ifndef ATTN_WARP_SPECIALIZE
 #define ATTN_WARP_SPECIALIZE 1
 #endif

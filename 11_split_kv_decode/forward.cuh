@@ -11,10 +11,7 @@
 #include "gpu.h"
 
 /* A warp's query rows in the forward, in fragments: two at every d (08: one at d <= 64), so
- * that each K and V operand loaded feeds two mma.sync. Measured (H100, fp16, N = 4096 to 16384,
- * forward TFLOP/s): at d = 128, 32 rows a warp 251-267 against 16 rows 202-213 (08); at d = 64
- * 287-310 over 64-key tiles, 324-360 over 128, against 273-291 for 16 rows over 64 keys (one
- * command, 02f781e). */
+ * that each K and V operand loaded feeds two mma.sync (the README's A/B table). */
 #ifndef ATTN_ROW_FRAGS
 #define ATTN_ROW_FRAGS 2 /* at d <= 64; 1: 16 rows */
 #endif
@@ -22,10 +19,9 @@ __host__ __device__ constexpr int row_frags(int d) { return d > 64 ? 2 : ATTN_RO
 /* Query rows per block: 128, so that each K and V tile copied into shared memory serves 128
  * rows (8 warps of 16 rows, or 4 of 32). */
 constexpr int Br = 128;
-/* Keys per tile: a tile's Bc scores are a register array per thread, so Bc is small;
- * 64 keys, 32 scores a lane per 16 rows, ran 2-4% faster than 32 at d = 64, 4% at d = 128.
- * At d <= 64, 128 (FlashAttention-2's 128 x 128 tile, no spill): with 32-row warps 13-17%
- * faster than 64 keys; at d = 128, where O takes 128 registers, 128 keys spill 928 bytes. */
+/* Keys per tile: a tile's Bc scores are a register array per thread, so Bc is small: 64
+ * keys at d = 128, where O takes 128 registers and 128 keys spill 928 bytes; at d <= 64, 128
+ * (FlashAttention-2's 128 x 128 tile, no spill; the README's A/B table). */
 #ifndef ATTN_BC
 #define ATTN_BC 128 /* at d <= 64; 64: 64 keys */
 #endif
@@ -58,7 +54,7 @@ __device__ void compute_qk_scores_and_max(const T *Q, const unsigned (*q_frag)[4
     mma_tile<D, false, BC, RowFrags>(s, RowFrags == 1 ? q_frag + kk : a, K, 0, kk * MmaK);
   }
   /* A compare and a select per element, which a branch skips on unmasked tiles at every d (08
-   * predicates them at d = 128; in 09 that spills 16 bytes, and the branch is 5-8% faster). */
+   * predicates them at d = 128; in 09 that spills 16 bytes, and the branch is faster). */
   int t = threadIdx.x % Quad;
   if (masked)
 #pragma unroll
@@ -108,8 +104,8 @@ __device__ void merge_block_stats(const float *m_blk, float scale_log2, float *m
  * end); acc += P V, two S accumulators per 16 keys an A operand. At d <= 64 the exponent is
  * one FFMA, s c - m c (c = scale log2 e) with m c rounded apart: the exponent moves by at most
  * 2^-14 while every row of the warp has |m c| < FoldLimit; past that (logits near 1e11, where
- * that rounding is 4096) the warp subtracts m first, exactly. Forward +4.6 to +9% at d = 64 (09's
- * A/B table); at d = 128 3-5% slower, so 08's form there (everywhere with -DATTN_FFMA_FOLD=0). */
+ * that rounding is 4096) the warp subtracts m first, exactly. Faster at d = 64 and slower at
+ * d = 128 (09's A/B table), so 08's form there (everywhere with -DATTN_FFMA_FOLD=0). */
 #ifndef ATTN_FFMA_FOLD
 #define ATTN_FFMA_FOLD 1
 #endif
@@ -192,10 +188,9 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
   T *Qs = Vs + 2 * BC * padded<T>(D); /* K and V double-buffered, then the Q tile */
   /* Causal blocks have unequal work: row block r does about r + 1 times row block 0's. Ordered by
    * row block across all heads, every head's heaviest block starts first and the light ones
-   * fill the tail (measured at N = 4096, d = 64: ordered per head, the heavy blocks of the
-   * last heads started last and causal was only 1.57x faster than non-causal; ordered
-   * across heads, 1.88x). Non-causal blocks are equal, so a head's blocks stay adjacent and
-   * share its K and V in L2 (ordered across heads instead: 6.5% slower). */
+   * fill the tail (ordered per head, the heavy blocks of the last heads would start last).
+   * Non-causal blocks are equal, so a head's blocks stay adjacent and share its K and V in
+   * L2. (05's README measures both orders.) */
   int row_blocks = (nq + Br - 1) / Br;
   long bh = causal ? blockIdx.x % heads : blockIdx.x / row_blocks;
   int i0 =
@@ -305,10 +300,8 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
  * any other problem takes 09's path above, which has GQA and cache lengths too. */
 /* The most rows a decode block takes. A group of up to 16 rows takes one fragment at every d:
  * at d = 128 one instead of two halves the products of the decode benchmark's 4 query rows
- * and takes the kernel from 214 registers to 162. Measured on an H100 (fp16, the benchmark's
- * B = 1 and 32 at 1k, 8k, 32k and 128k, each build timed twice in turn, one command): B = 1
- * 9% faster at 1k, 5% at 8k, 2.5% at 32k, and B = 32 3.4% faster at 1k and 0.3-1% at 8k to
- * 128k; B = 1 at 128k moved less than the spread of its repeats. At most one fragment at
+ * and takes the kernel from 214 registers to 162, faster at short caches and never slower
+ * beyond the spread of repeats (docs/techniques.md). At most one fragment at
  * d <= 64, two at d = 128: 09's rows a warp when this path and its rule were measured. (09's
  * d <= 64 warps have had two since; a 32-row decode block at d <= 64, which would take groups
  * of 17 to 32 rows off 09's path, has not been measured.) */
@@ -320,11 +313,11 @@ __host__ __device__ constexpr int decode_rows(int d) { return decode_frags(d) * 
  * thread. */
 constexpr int DecodeWarps = 4, DecodeThreads = DecodeWarps * 32, DecodeKeys = DecodeWarps * MmaK;
 /* Stages of the decode block's ring of K and V tiles: 2, as 09. A decode block has no
- * arithmetic to hide its loads behind, only more loads, so a deeper ring looked promising;
- * measured on an H100 (d = 128, the 24 shapes of the decode benchmark, one block an SM), 3
- * stages ran from 0.4% faster to 2% slower, 4 stages up to 3% slower: two tiles of K and V in
- * flight already keep an SM's share of the bandwidth busy. -DATTN_DECODE_STAGES=3 or 4 for
- * the alternatives, which fall back to 2 where their ring does not fit the shared memory. */
+ * arithmetic to hide its loads behind, only more loads, so a deeper ring looked promising, but
+ * 3 and 4 stages gained nothing at the decode benchmark's shapes (docs/techniques.md): two
+ * tiles of K and V in flight already keep an SM's share of the bandwidth busy.
+ * -DATTN_DECODE_STAGES=3 or 4 for the alternatives, which fall back to 2 where their ring does not
+ * fit the shared memory. */
 #ifndef ATTN_DECODE_STAGES
 #define ATTN_DECODE_STAGES 2
 #endif
@@ -343,13 +336,10 @@ __host__ __device__ constexpr size_t decode_bytes(int d, int stages) {
  * keys. So
  *   chunks = min(floor(DecodeBlocksPerSm x SMs / (B Hkv)), floor(Lmax / MinChunkKeys)),
  *            at least 1;  chunk_keys = ceil(Lmax / chunks) rounded up to whole tiles,
- * Lmax the longest cache. Measured on an H100 (d = 128, Hkv = 8, fp16, chunk lengths forced
- * with ATTN_DECODE_CHUNK_KEYS, ms; the rule's pick marked *): B = 1, L = 1k: 64 keys 0.0121,
- * 128* 0.0114, 256 0.0128; L = 4k: 128 0.0183, 256* 0.0174, 512 0.0199; L = 8k: 256 0.0256,
- * 512* 0.0253, 1024 0.0304; L = 32k: 1024 0.0642, 2048* 0.0632, 4096 0.0867; B = 8, L = 2k:
- * 512 0.0412, 1024* 0.0393, 2048 0.0471. Two blocks an SM (the 2 x 132 an H100 holds at
- * d = 128; -DATTN_DECODE_BLOCKS_PER_SM=2) picked 256, 256, 256, 1024 and 512 keys there;
- * four waves of them with chunks of at least 128 keys (the first rule) was up to 20% slower.
+ * Lmax the longest cache. The README's chunk sweep (chunk lengths forced with
+ * ATTN_DECODE_CHUNK_KEYS) finds the rule's pick the fastest or within a few percent of it;
+ * two blocks an SM (-DATTN_DECODE_BLOCKS_PER_SM=2) and four waves of chunks of at least 128
+ * keys were slower.
  * On an H100: B = 1 gets 128 keys a chunk at L = 1k, 2048 at 32k, 8192 at 128k (16 chunks);
  * B = 8 two chunks; B = 32 one, whose blocks write O and LSE themselves.
  * ATTN_DECODE_CHUNK_KEYS=N (a multiple of 64) sets chunk_keys instead, for the tests and for
@@ -378,15 +368,12 @@ constexpr int DecodeBlocksPerSm = ATTN_DECODE_BLOCKS_PER_SM, MinChunkKeys = 2 * 
  *     workspace (a chunk past L_b writes nothing, and nothing reads it).
  * 09's path (G Nq past decode_rows) is batch-invariant without the mode: a block for 128 query
  * rows of one head streams that head's cache from key 0 to its end, whatever the grid.
- * The length: 1024 keys, from the H100's chunk sweep (above; decode_chunks.tsv, the benchmark's
- * shapes, Hkv = 8). Long enough that a chunk streams efficiently: within 5% of the best forced
- * length wherever B >= 8 or L >= 32k, where 512 keys cost 7-10% (B = 1 at 32k and 128k, B = 32
- * at 1k and 2k: a block's fixed costs over 8 tiles). Short enough that B = 1 still gives about
- * every SM of an H100 or H200 (132) a block from L = 16k on (B Hkv L / 1024 = 128 blocks there),
- * where 2048 keys leave at least half of them idle below 32k (80% slower at 8k). The price falls
- * on B = 1 with short caches, which the rule splits finer (1k, one chunk: 0.024 ms against
- * 0.011; 4k: 0.027 against 0.017), and on batches of one chunk a sequence, which gain the
- * merge. */
+ * The length: 1024 keys, from the chunk sweep (the README). Long enough that a chunk streams
+ * efficiently (shorter chunks pay a block's fixed costs over fewer tiles), short enough that
+ * B = 1 still gives about every SM of an H100 or H200 (132) a block from L = 16k on
+ * (B Hkv L / 1024 = 128 blocks there), where 2048 keys leave at least half of them idle below
+ * 32k. The price falls on B = 1 with short caches, which the rule splits finer, and on
+ * batches of one chunk a sequence, which gain the merge. */
 constexpr int BatchInvariantChunkKeys = 16 * DecodeKeys;
 static_assert(BatchInvariantChunkKeys % DecodeKeys == 0, "a chunk is whole tiles");
 
