@@ -73,3 +73,17 @@ __global__ void compute_delta_kernel(const T *o, const T *d_o, const T *v, float
   __syncthreads(); /* WAR: block_max_into's shared memory is read before it is reused */
   block_max_into(v_norm2, stats + 1);
 }
+
+/* The pre-pass: D of `rows` rows into `delta`, and, with `ds_stats` (fp16), the bound's two
+ * maxima over those rows and the `kv_rows` rows of V (zeroed first: they are atomic maxima). */
+template <int D, typename T>
+static void launch_delta(const attn_buffers *t, float *delta, float *ds_stats, long rows,
+                         long kv_rows) {
+  if (ds_stats) CUDA_CHECK(cudaMemsetAsync(ds_stats, 0, sizeof(float) * DsStats, attn_stream()));
+  const int delta_threads = 256; /* a memory-bound pass: any full-warp count will do */
+  long delta_rows = ds_stats ? max(rows, kv_rows) : rows, lanes = D * sizeof(T) / 16;
+  long delta_grid = (delta_rows * lanes + delta_threads - 1) / delta_threads;
+  compute_delta_kernel<D><<<(unsigned)delta_grid, delta_threads, 0, attn_stream()>>>(
+      (const T *)t->o, (const T *)t->d_o, (const T *)t->v, delta, ds_stats, rows, kv_rows);
+  CHECK_LAUNCH("compute_delta_kernel");
+}

@@ -343,13 +343,7 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   float *delta = (float *)t->workspace;
   /* The bound on |dS| in fp16 only (ds_scale); bf16 passes none. */
   float *ds_stats = std::is_same_v<T, __half> ? delta + delta_floats(rows) : nullptr;
-  if (ds_stats) CUDA_CHECK(cudaMemsetAsync(ds_stats, 0, sizeof(float) * DsStats, attn_stream()));
-  const int delta_threads = 256; /* a memory-bound pass: any full-warp count will do */
-  long delta_rows = ds_stats ? max(rows, kv_rows) : rows, lanes = D * sizeof(T) / 16;
-  long delta_grid = (delta_rows * lanes + delta_threads - 1) / delta_threads;
-  compute_delta_kernel<D><<<(unsigned)delta_grid, delta_threads, 0, attn_stream()>>>(
-      (const T *)t->o, (const T *)t->d_o, (const T *)t->v, delta, ds_stats, rows, kv_rows);
-  CHECK_LAUNCH("compute_delta_kernel");
+  launch_delta<D, T>(t, delta, ds_stats, rows, kv_rows);
   if (dkdv_bytes<T>(D, Bc_bwd) <= attn_shared_memory_limit())
     launch_dkdv<D, Bc_bwd, T>(p, t, delta, ds_stats);
   else
