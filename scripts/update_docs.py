@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
 """Regenerates the generated parts of the docs from the committed rows and sources, never by
 hand: the README's results table (between <!-- results:begin --> and <!-- results:end -->)
-and ARCHITECTURE.md's table of consecutive-stage diffs (<!-- diffs:begin/end -->).
+ARCHITECTURE.md's table of consecutive-stage diffs (<!-- diffs:begin/end -->), and the table
+of technique steps in the README of each stage that has them (<!-- steps:begin/end -->).
 
-  python3 scripts/update_docs.py          # rewrite both in place
-  python3 scripts/update_docs.py --check  # exit 1 if either is stale
+  python3 scripts/update_docs.py          # rewrite them in place
+  python3 scripts/update_docs.py --check  # exit 1 if one is stale
 """
 import argparse
 import glob
@@ -14,6 +15,7 @@ import subprocess
 import sys
 
 import attn
+import steps
 from plots import human_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -189,10 +191,33 @@ def diff_table(root):
         for command in rows:
             changed = changed_lines(root, command)
             note = "" if changed <= 200 else " (over 200: see the stage README)"
+            if changed > 200 and b in stages_with_steps(root):
+                note = f" (over 200: shown in pieces by `{b}/steps/`)"
             lines.append(f"| `{a}` | `{b}` | `{command}` | {changed}{note} |")
         for f in fa:
             if f and f not in fb:
                 lines.append(f"| `{a}` | `{b}` | `{b}` builds `{fa[f]}` | 0 |")
+    return "\n".join(lines)
+
+
+def stages_with_steps(root):
+    return [s for s in attn.STAGES if os.path.isfile(os.path.join(root, s, "steps", "BASE"))]
+
+
+def steps_table(root, stage):
+    """A stage's technique steps (scripts/steps.py): what each adds, and its changed lines."""
+    lines = ["| step | what it adds | changed lines |", "|---|---|---|"]
+    before = steps.base_files(stage)
+    for path in steps.patches(stage):
+        description, _ = steps.split_patch(path)
+        title = description[0].split(":", 1)[-1].strip().rstrip(".") if description else ""
+        after = {name: list(text) for name, text in before.items()}
+        steps.apply(stage, after, path)
+        counts = [f"{n} {steps.changed(before.get(n, []), after.get(n, []))}"
+                  for n in sorted(set(before) | set(after)) if before.get(n) != after.get(n)]
+        name = os.path.basename(path)
+        lines.append(f"| [`{name}`](steps/{name}) | {title} | {', '.join(counts)} |")
+        before = after
     return "\n".join(lines)
 
 
@@ -217,6 +242,9 @@ def replace_between(path, tag, text, check):
 def update(root, check=False):
     ok = replace_between(os.path.join(root, "README.md"), "results", results_table(root), check)
     ok &= replace_between(os.path.join(root, "ARCHITECTURE.md"), "diffs", diff_table(root), check)
+    for stage in stages_with_steps(root):
+        ok &= replace_between(os.path.join(root, stage, "README.md"), "steps",
+                              steps_table(root, stage), check)
     return ok
 
 

@@ -5,6 +5,8 @@
 #   scripts/variants.sh STAGE OUT_DIR [LABEL=FLAGS ...]
 #   scripts/variants.sh 09_swizzle_pipeline out bc32=-DATTN_BC=32 rows32=-DATTN_ROW_FRAGS=2
 #
+# FLAGS of the form step:NN build the stage as its technique step NN leaves it
+# (scripts/steps.py; 10_hopper_wgmma has steps): `tma=step:05 wgmma=step:07`.
 # Each variant (and `base`, no extra flags) is compiled with nvcc for this GPU against the
 # libraries of VARIANT_BUILD (default build-gpu, which the build phase of gpu_round.sh makes;
 # VARIANT_BUILD=build after the README's `cmake --workflow --preset tour`) and timed with --bench at
@@ -38,19 +40,23 @@ for variant in "base=" "$@"; do
   bin="$bins/$stage-$label"
   # A kept binary is reused only if built from these very sources, flags and arch.
   # attention.cu includes the stage's pass files, and earlier stages' (*/*.cuh).
-  key="$(cat "$stage/attention.cu" ./*/*.cuh common/*.h common/*.c common/*.cu | sha256sum |
-    cut -c1-16)"
+  key="$(cat "$stage/attention.cu" ./*/*.cuh common/*.h common/*.c common/*.cu \
+    ./*/steps/* 2> /dev/null | sha256sum | cut -c1-16)"
   key="$key sm_$arch $flags"
   if [ ! -x "$bin" ] || [ "$(cat "$bin.key" 2>/dev/null)" != "$key" ]; then
     echo "variants.sh: building $stage-$label ($flags)" >&2
-    # shellcheck disable=SC2086 # the flags are words
     # A stage built for an architecture-specific target (10: sm_90a) names it in its
     # CMakeLists.txt; the others are built for this GPU's.
     target=-arch="sm_$arch"
     grep -q "compute_90a" "$stage/CMakeLists.txt" && target=-gencode=arch=compute_90a,code=sm_90a
-    nvcc -O3 -std=c++20 "$target" -Icommon $flags "$stage/attention.cu" \
-      "$lib/libattn_gpu.a" "$lib/libattn_common.a" -lm -o "$bin" ||
-      { echo "variants.sh: $stage-$label ($flags) did not build; stopped" >&2; exit 1; }
+    # shellcheck disable=SC2086 # the flags are words
+    if [[ "$flags" == step:* ]]; then # the stage as its technique step NN leaves it
+      python3 scripts/steps.py build "$stage" "${flags#step:}" "$bin" -- nvcc -O3 -std=c++20 \
+        "$target" -I"$PWD/common" "$PWD/$lib/libattn_gpu.a" "$PWD/$lib/libattn_common.a" -lm
+    else
+      nvcc -O3 -std=c++20 "$target" -Icommon $flags "$stage/attention.cu" \
+        "$lib/libattn_gpu.a" "$lib/libattn_common.a" -lm -o "$bin"
+    fi || { echo "variants.sh: $stage-$label ($flags) did not build; stopped" >&2; exit 1; }
     echo "$key" > "$bin.key"
   fi
   [ -n "${VARIANT_BUILD_ONLY:-}" ] && continue
