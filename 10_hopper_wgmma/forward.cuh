@@ -30,32 +30,12 @@ __host__ __device__ constexpr int block_rows(int d) { return consumers(d) * Wgmm
  * 2 + 2 KiB per 64 x 64 x 16, would need about 128 bytes a clock at the tensor cores' rate,
  * all of shared memory's bandwidth; at N = 128, 2 + 4 KiB per twice the work, 96. */
 constexpr int Bc = 128;
-/* The techniques of the A/B table, each a compile-time switch: -DATTN_WARP_SPECIALIZE=0 has
- * no producer warpgroup (thread 0, a consumer, issues the copies as it goes), and
- * -DATTN_OVERLAP=0 waits for each product before the next step. What each buys is the README's
- * A/B table (the overlap gains at d = 128 and is within noise at d = 64, where it stays so that
- * one loop serves both). */
-#ifndef ATTN_WARP_SPECIALIZE
-#define ATTN_WARP_SPECIALIZE 1
-#endif
-#ifndef ATTN_OVERLAP
-#define ATTN_OVERLAP 1
-#endif
-/* -DATTN_WGMMA=0 keeps 09's products (mma.sync, fed by ldmatrix) on the tiles the TMA writes:
- * with -DATTN_WARP_SPECIALIZE=0 -DATTN_OVERLAP=0, the table's "TMA alone". */
-#ifndef ATTN_WGMMA
-#define ATTN_WGMMA 1
-#endif
-constexpr bool WarpSpecialize = ATTN_WARP_SPECIALIZE, Overlap = ATTN_OVERLAP, Wgmma = ATTN_WGMMA;
-static_assert(WarpSpecialize || !Overlap, "the overlap is built on the producer warpgroup");
-static_assert(Wgmma || !Overlap, "mma.sync is not asynchronous: there is nothing to overlap");
-/* Waits for all but the last N committed wgmma groups (hopper.cuh); nothing to wait for
- * with -DATTN_WGMMA=0. */
+/* Waits for all but the last N committed wgmma groups (hopper.cuh). */
 template <int N>
 __device__ void wgmma_wait() {
-  if constexpr (Wgmma) asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
-constexpr int Producers = WarpSpecialize ? 1 : 0; /* warpgroups */
+constexpr int Producers = 1; /* warpgroups */
 __host__ __device__ constexpr int forward_threads(int d) {
   return (Producers + consumers(d)) * WarpgroupThreads;
 }
@@ -74,43 +54,11 @@ constexpr int KvStages = 2;
  * an accumulator belongs to row e / 2. A wgmma's accumulators (64 x N) are, in each warp of the
  * warpgroup, mma.sync's for that warp's 16 rows, N / 8 of them side by side. */
 
-/* -DATTN_WGMMA=0: the shared-memory address of element (row + lane_row, col + lane_col) of a
- * tile of ROWS rows as the TMA wrote it, box after box, for ldmatrix: inside a box it is 09's
- * swizzled tile of Cols-element rows. */
-template <int D, int ROWS, typename T>
-__device__ unsigned box_operand_address(const T *tile, int lane_row, int lane_col, int row,
-                                        int col) {
-  constexpr int Cols = box_cols<D, T>();
-  static_assert(ATTN_SWIZZLE, "the copy engine's layout is the swizzled one");
-  return operand_address<Cols>(tile + col / Cols * ROWS * Cols, lane_row, lane_col, row,
-                               col % Cols);
-}
-
 /* Issues S = Q K^T for one tile (the warpgroup's 64 rows, BC keys) into the accumulators
  * s[BC / 8][4], one wgmma a k-step, Q and K read from shared memory; the caller waits. */
 template <int D, typename T>
 __device__ void compute_qk_scores(const T *Q, const T *K, float (*s)[4]) {
   constexpr int Cols = box_cols<D, T>(), Atom = 8 * Cols * sizeof(T), Br = block_rows(D);
-  if constexpr (!Wgmma) { /* 09's product: each warp its 16 rows, by mma.sync */
-    const int lane = threadIdx.x % 32, warp_row = threadIdx.x / 32 % 4 * MmaM;
-#pragma unroll
-    for (int n = 0; n < Bc / MmaN; n++)
-#pragma unroll
-      for (int e = 0; e < 4; e++) s[n][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / MmaK; kk++) {
-      unsigned a[4];
-      ldmatrix_x4(a, box_operand_address<D, Br>(Q, lane % 16, lane / 16 * 8, warp_row, kk * MmaK));
-#pragma unroll
-      for (int n2 = 0; n2 < Bc / 16; n2++) {
-        unsigned b[4];
-        ldmatrix_x4(b, box_operand_address<D, Bc>(K, lane / 16 * 8 + lane % 8, lane / 8 % 2 * 8,
-                                                  n2 * 16, kk * MmaK));
-        mma_m16n8k16(s[2 * n2], a, b, T()), mma_m16n8k16(s[2 * n2 + 1], a, b + 2, T());
-      }
-    }
-    return;
-  }
   wgmma_fence(); /* the softmax's reads of the last S come before this product overwrites it */
 #pragma unroll
   for (int kk = 0; kk < D / MmaK; kk++) {
@@ -208,20 +156,6 @@ __device__ void pack_probabilities(const float (*s)[4], unsigned (*p_frag)[4]) {
 template <int D, typename T>
 __device__ void multiply_pv(const unsigned (*p_frag)[4], const T *V, float (*acc)[4]) {
   constexpr int Cols = box_cols<D, T>(), Atom = 8 * Cols * sizeof(T);
-  if constexpr (!Wgmma) { /* 09's product, V read transposed by ldmatrix */
-    const int lane = threadIdx.x % 32;
-#pragma unroll
-    for (int kk = 0; kk < Bc / MmaK; kk++)
-#pragma unroll
-      for (int n2 = 0; n2 < D / 16; n2++) {
-        unsigned b[4];
-        ldmatrix_x4_trans(b, box_operand_address<D, Bc>(V, lane / 8 % 2 * 8 + lane % 8,
-                                                        lane / 16 * 8, kk * MmaK, n2 * 16));
-        mma_m16n8k16(acc[2 * n2], p_frag[kk], b, T()),
-            mma_m16n8k16(acc[2 * n2 + 1], p_frag[kk], b + 2, T());
-      }
-    return;
-  }
   wgmma_fence(); /* the writes of P and of the rescaled acc come before the products read them */
 #pragma unroll
   for (int kk = 0; kk < Bc / MmaK; kk++)
@@ -308,7 +242,7 @@ __global__ void __launch_bounds__(forward_threads(D), 1)
     load_tile_async<D, Bc>(&v_map, t * Bc, bh, Vs + s * Bc * D, &v_full[s]);
   };
   const int warpgroup = threadIdx.x / WarpgroupThreads;
-  if (WarpSpecialize && warpgroup == 0) {
+  if (warpgroup == 0) {
     give_registers<ProducerRegisters>();
     if (threadIdx.x == 0) {
       load_tile_async<D, Br>(&q_map, i0, bh, Qs, q_full);
@@ -316,12 +250,7 @@ __global__ void __launch_bounds__(forward_threads(D), 1)
     }
     return; /* nothing below waits for the producer but through the barriers */
   }
-  if (WarpSpecialize) take_registers<consumer_registers(D)>();
-  if (!WarpSpecialize && threadIdx.x == 0) {
-    load_tile_async<D, Br>(&q_map, i0, bh, Qs, q_full);
-    for (int t = 0; t < min(tiles, STAGES); t++) produce(t);
-  }
-  __syncwarp(); /* wgmma is .aligned: the warp runs it together, thread 0 included */
+  take_registers<consumer_registers(D)>();
 
   /* A consumer warpgroup: 64 rows of the block, 16 a warp; this lane holds rows i + 8 h. */
   const int consumer = warpgroup - Producers, warp = threadIdx.x / 32 % 4;
@@ -359,26 +288,7 @@ __global__ void __launch_bounds__(forward_threads(D), 1)
   auto release = [&](uint64_t *bar) {
     if (lane0) mbarrier_arrive(bar); /* after this warp's wait: its products are done */
   };
-  if (!Overlap) {
-    for (int t = 0; t < tiles; t++) {
-      int st = t % STAGES, parity = t / STAGES & 1;
-      mbarrier_wait(&k_full[st], parity);
-      compute_qk_scores<D>(Q, Ks + st * Bc * D, s);
-      wgmma_wait<0>();
-      settle<Bc / 2>(&s[0][0]);
-      release(&k_empty[st]);
-      softmax(t);
-      rescale_output<D>(correction, acc[0]);
-      pack_probabilities<Bc, T>(s, p_frag);
-      mbarrier_wait(&v_full[st], parity);
-      multiply_pv<D>(p_frag, Vs + st * Bc * D, acc[0]);
-      wgmma_wait<0>();
-      settle<D / 2>(&acc[0][0][0]);
-      release(&v_empty[st]);
-      if (!WarpSpecialize && threadIdx.x == 0 && t + STAGES < tiles) produce(t + STAGES);
-      __syncwarp(); /* (as above: the next wgmma is .aligned) */
-    }
-  } else if (tiles > 0) {
+  if (tiles > 0) {
     /* S(t) and P(t - 1) V(t - 1) are in flight together; the softmax of S(t) runs while the
      * tensor cores finish P(t - 1) V(t - 1), whose end the rescale of O waits for. */
     mbarrier_wait(&k_full[0], 0);
