@@ -183,16 +183,23 @@ def changed(a, b):
                if l[:1] in "+-" and not l.startswith(("+++", "---")))
 
 
-def lines(stage):
-    before = base_files(stage)
+def step_lines(stage):
+    """[(patch path, {file: changed lines})] for each step, the files it changes only."""
+    result, before = [], base_files(stage)
     for path in patches(stage):
         after = {name: list(text) for name, text in before.items()}
         apply(stage, after, path)
-        counts = [f"{n} {changed(before.get(n, []), after.get(n, []))}"
-                  for n in sorted(set(before) | set(after)) if before.get(n) != after.get(n)]
-        total = sum(int(c.split()[1]) for c in counts)
-        print(f"{os.path.basename(path)}\t{total}\t{', '.join(counts)}")
+        result.append((path, {n: changed(before.get(n, []), after.get(n, []))
+                              for n in sorted(set(before) | set(after))
+                              if before.get(n) != after.get(n)}))
         before = after
+    return result
+
+
+def lines(stage):
+    for path, counts in step_lines(stage):
+        text = ", ".join(f"{n} {c}" for n, c in counts.items())
+        print(f"{os.path.basename(path)}\t{sum(counts.values())}\t{text}")
 
 
 def tree(stage, step, out):
@@ -209,19 +216,14 @@ def tree(stage, step, out):
     for name, text in files.items():
         with open(os.path.join(out, stage, name), "w") as f:
             f.writelines(text)
-    print(os.path.join(out, stage))
+    return os.path.join(out, stage)
 
 
 def build(stage, step, out, command):
     out = os.path.abspath(out)  # the compiler runs in the tree
     folder = tempfile.mkdtemp(prefix=f"{stage}-step{step:02d}-")
     try:
-        with open(os.devnull, "w") as quiet:
-            stdout, sys.stdout = sys.stdout, quiet
-            try:
-                tree(stage, step, folder)
-            finally:
-                sys.stdout = stdout
+        tree(stage, step, folder)
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         source = os.path.join(folder, stage, "attention.cu")
         compile_command = [command[0], source] + command[1:] + ["-o", out]
@@ -272,7 +274,7 @@ def main(argv):
     if command == "tree":
         if len(argv) != 4 or not argv[2].isdigit() or int(argv[2]) > len(patches(stage)):
             fail(f"usage: steps.py tree STAGE NN DIR, NN from 0 to {len(patches(stage))}", 2)
-        return tree(stage, int(argv[2]), argv[3])
+        return print(tree(stage, int(argv[2]), argv[3]))
     if command == "build":
         if (len(argv) < 6 or argv[4] != "--" or not argv[2].isdigit()
                 or not 1 <= int(argv[2]) <= len(patches(stage))):

@@ -207,17 +207,12 @@ def stages_with_steps(root):
 def steps_table(root, stage):
     """A stage's technique steps (scripts/steps.py): what each adds, and its changed lines."""
     lines = ["| step | what it adds | changed lines |", "|---|---|---|"]
-    before = steps.base_files(stage)
-    for path in steps.patches(stage):
+    for path, counts in steps.step_lines(stage):
         description, _ = steps.split_patch(path)
         title = description[0].split(":", 1)[-1].strip().rstrip(".") if description else ""
-        after = {name: list(text) for name, text in before.items()}
-        steps.apply(stage, after, path)
-        counts = [f"{n} {steps.changed(before.get(n, []), after.get(n, []))}"
-                  for n in sorted(set(before) | set(after)) if before.get(n) != after.get(n)]
         name = os.path.basename(path)
-        lines.append(f"| [`{name}`](steps/{name}) | {title} | {', '.join(counts)} |")
-        before = after
+        text = ", ".join(f"{n} {c}" for n, c in counts.items())
+        lines.append(f"| [`{name}`](steps/{name}) | {title} | {text} |")
     return "\n".join(lines)
 
 
