@@ -201,6 +201,14 @@ __global__ void __launch_bounds__(forward_threads(D), 1)
                          int causal) {
   constexpr int Cols = box_cols<D, T>(), Br = block_rows(D), Consumers = consumers(D);
   constexpr int ConsumerWarps = Consumers * WarpgroupThreads / 32;
+  /* The copy engine and wgmma swizzle by address bits, so each tile, each box of a tile and
+   * each consumer's slice of Q must start on a whole swizzle atom (8 rows of a box): the
+   * offsets below are whole boxes of Br, Bc or WgmmaM rows from a base on AtomAlignment. */
+  constexpr size_t SwizzleAtom = 8 * Cols * sizeof(T);
+  static_assert(AtomAlignment % SwizzleAtom == 0 && sizeof(T) * Br * Cols % SwizzleAtom == 0 &&
+                    sizeof(T) * Bc * Cols % SwizzleAtom == 0 &&
+                    sizeof(T) * WgmmaM * Cols % SwizzleAtom == 0,
+                "tile alignment");
   extern __shared__ unsigned char smem_raw[];
   T *Qs = reinterpret_cast<T *>(
       smem_raw + (AtomAlignment - shared_address(smem_raw) % AtomAlignment) % AtomAlignment);

@@ -229,7 +229,9 @@ __global__ void __launch_bounds__(DecodeThreads, 2)
                         bool merge, float scale, int causal) {
   constexpr int RowFrags = FRAGS, LaneRows = 2 * RowFrags, Rows = FRAGS * MmaM;
   constexpr int BC = DecodeKeys, ld = padded<T>(D);
-  extern __shared__ __align__(256) float4 smem[];
+  /* K and V stages of BC rows each, then Q: every tile starts on its swizzle period */
+  static_assert(starts_swizzle_period<D, T>(sizeof(T) * BC * ld), "tile alignment");
+  extern __shared__ __align__(SharedAlignment) float4 smem[];
   T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + STAGES * BC * ld, *Qs = Vs + STAGES * BC * ld;
   allow_merge_launch(); /* the merge waits for the whole grid anyway: let it launch now */
   long pair = blockIdx.x / chunks;

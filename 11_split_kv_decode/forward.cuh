@@ -183,7 +183,9 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
                          int group, float scale, int causal) {
   constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
   constexpr int Threads = threads_for(Br, RowFrags);
-  extern __shared__ __align__(256) float4 smem[]; /* cp.async and ldmatrix move 16 bytes */
+  /* K and V buffers of BC rows each, then Q: every tile starts on its swizzle period */
+  static_assert(starts_swizzle_period<D, T>(sizeof(T) * BC * padded<T>(D)), "tile alignment");
+  extern __shared__ __align__(SharedAlignment) float4 smem[]; /* cp.async, ldmatrix: 16 bytes */
   T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + 2 * BC * padded<T>(D);
   T *Qs = Vs + 2 * BC * padded<T>(D); /* K and V double-buffered, then the Q tile */
   /* Causal blocks have unequal work: row block r does about r + 1 times row block 0's. Ordered by
