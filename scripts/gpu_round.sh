@@ -10,19 +10,23 @@
 #   PHASES="pytorch sweep" SWEEP="07_tensor_cores 08_mma_sync" scripts/gpu_round.sh OUT_DIR
 #   PHASES="build" scripts/gpu_round.sh OUT_DIR  # then, elsewhere: PHASES="tests" ...
 #
-# PHASES: any of build, tests, sanitizer, sweep, pytorch, variants, python, decode (default:
-# the first five, in that order);
+# PHASES: any of build, tests, steps, sanitizer, sweep, pytorch, variants, python, decode
+# (default: build tests steps sanitizer sweep pytorch, in that order);
 # build always runs first, the others in the order given.
 # Without build, build-gpu must already hold a build of this tree: one made by this script
 # with the same CUDA toolkit at the same path (CMake and CTest record absolute paths), for
 # instance on a machine without a GPU (configure it with -DATTN_COMPUTE_SANITIZER=PATH when
 # compute-sanitizer lives elsewhere there; the tests that run cmake -P use the cmake path of
 # that machine, so link it where it is missing).
-# TESTS: extra ctest arguments for both test phases; SANITIZER_JOBS: sanitizer tests run at
-# once (default 8; on an H100 with 16, the 188 sanitizer tests take about 7 minutes, and the
-# 3125 other GPU tests about 12 at 16 jobs: where a command has 10 minutes, give each phase
-# its own, and the tests in slices, `-I START,END` in TESTS counting the tests the phase
-# selects). SWEEP: the stages to sweep (default: every GPU stage); SWEEP_BUDGET:
+# tests: every GPU test but the sanitizer and step tests; steps: the technique steps' builds
+# and runs (label steps); sanitizer: the compute-sanitizer tests.
+# TESTS: extra ctest arguments for the three test phases; TEST_JOBS: tests run at once in the
+# tests and steps phases (default: the cores); SANITIZER_JOBS: in the sanitizer phase
+# (default 8); SLICE=K/N: the tests phase runs the K-th of N interleaved slices of its tests
+# (`-I K,COUNT,N`), so that N commands of a few minutes each run them all. On an H200 with 16
+# cores at 24 jobs, a third of the tests outside the sanitizer and step labels took 4.6 to 5.5
+# minutes, and the 80 step and 205 sanitizer tests together 8.4.
+# SWEEP: the stages to sweep (default: every GPU stage); SWEEP_BUDGET:
 # seconds after which the sweep starts no new point; SWEEP_SEQ, SWEEP_DTYPES: a subset of
 # the sweep's sequence lengths and dtypes.
 # VARIANTS="STAGE LABEL=FLAGS ...": the variants phase times STAGE built with each LABEL's
@@ -53,7 +57,7 @@
 set -uo pipefail
 out=${1:?usage: gpu_round.sh OUT_DIR}
 mkdir -p "$out"
-phases=${PHASES:-build tests sanitizer sweep pytorch}
+phases=${PHASES:-build tests steps sanitizer sweep pytorch}
 start=$(date +%s)
 status=0 # 1 once a phase fails: a test that did not pass, a failed sweep point, ...
 log() { echo "[$(($(date +%s) - start))s] $*" | tee -a "$out/summary.txt"; }
@@ -142,14 +146,21 @@ variants() {
 for phase in $phases; do
   case $phase in
     build) ;;
-    tests) run_tests gpu "$(nproc)" -L gpu -LE sanitizer ;;
+    tests)
+      slice=()
+      if [ -n "${SLICE:-}" ]; then
+        count=$(ctest --test-dir build-gpu -N | awk '/Total Tests/ { print $3 }')
+        slice=(-I "${SLICE%/*},$count,${SLICE#*/}")
+      fi
+      run_tests gpu "${TEST_JOBS:-$(nproc)}" -L gpu -LE "sanitizer|steps" ${slice[@]+"${slice[@]}"} ;;
+    steps) run_tests steps "${TEST_JOBS:-$(nproc)}" -L steps ;;
     sanitizer) run_tests sanitizer "${SANITIZER_JOBS:-8}" -L sanitizer ;;
     sweep) sweep ;;
     pytorch) pytorch ;;
     variants) variants ;;
     python) python_package ;;
     decode) decode ;;
-    *) log "unknown phase '$phase' (build, tests, sanitizer, sweep, pytorch, variants, python, decode)" ;;
+    *) log "unknown phase '$phase' (build, tests, steps, sanitizer, sweep, pytorch, variants, python, decode)" ;;
   esac
 done
 log "done$([ $status = 0 ] || echo ': a phase failed (exit 1)')"
