@@ -19,8 +19,10 @@ each step (scripts/variants.sh, a variant `LABEL=step:NN`).
                                          compiles step NN's program into OUT: COMPILER
                                          STAGE/attention.cu FLAG... -o OUT, in such a tree
   scripts/steps.py write STAGE DIR...    (contributors) rewrites the patches from snapshots:
-                                         DIR1 holds the stage's files after step 1, and so on;
-                                         each patch keeps its name and its description
+                                         DIR1 holds the stage's files after step 1, and so on
+                                         (a folder `tree` made will do: its links to the
+                                         stage's other files are not step files and are
+                                         skipped); each patch keeps its name and description
 
 Standard library only; exit status 0, 1 when a check fails, 2 on bad arguments.
 """
@@ -244,8 +246,9 @@ def write(stage, snapshots):
     for path, folder in zip(steps, snapshots):
         after = {}
         for name in sorted(set(before) | set(os.listdir(folder))):
-            if os.path.isfile(os.path.join(folder, name)):
-                with open(os.path.join(folder, name)) as f:
+            file = os.path.join(folder, name)
+            if os.path.isfile(file) and not os.path.islink(file):
+                with open(file) as f:
                     after[name] = f.read().splitlines(keepends=True)
         description, _ = split_patch(path)
         body = []
