@@ -6,7 +6,7 @@
 #   scripts/variants.sh 09_swizzle_pipeline out bc32=-DATTN_BC=32 rows32=-DATTN_ROW_FRAGS=2
 #
 # FLAGS of the form step:NN build the stage as its technique step NN leaves it
-# (scripts/steps.py; 09 and 10 have steps): `tma=step:05 wgmma=step:07`.
+# (scripts/steps.py; 08, 09 and 10 have steps): `tma=step:05 wgmma=step:07`.
 # Each variant (and `base`, no extra flags) is compiled with nvcc for this GPU against the
 # libraries of VARIANT_BUILD (default build-gpu, which the build phase of gpu_round.sh makes;
 # VARIANT_BUILD=build after the README's `cmake --workflow --preset tour`) and timed with --bench at
