@@ -15,7 +15,7 @@ BASELINES = ["cublas_baseline"]
 # The result folders the README's table and the GPU plots' CPU bars come from: the devices
 # the committed numbers were measured on. A benchmark run on any other device writes its own
 # folder (docs/results/<device>/) with its own plots, and leaves these alone.
-REFERENCE_FOLDERS = {"gpu": "nvidia-h100-80gb-hbm3", "cpu": "cpu-amd-epyc"}
+REFERENCE_FOLDERS = {"gpu": "nvidia-h200", "cpu": "cpu-amd-epyc"}
 
 
 class Stage:

@@ -47,10 +47,11 @@ def with_device(name, r, devices):
 
 
 def gnuplot_file(path, title, xlabel, ylabel, series, stamp_text, logx=True, logy=True,
-                 lines=(), pairs=False):
+                 lines=(), pairs=False, dashed=()):
     """series: [(title, [(x, y), ...])]; lines: [(title, y)] horizontal reference lines.
     pairs: series 2k and 2k + 1 are one contender measured two ways, drawn in one colour,
-    the second dashed."""
+    the second dashed. dashed: the titles of series drawn dashed (the references: with more
+    series than colours, a colour comes round again, and the dash tells them apart)."""
     data_dir = fresh_data_dir(path)
     plots = []
     for k, (name, pts) in enumerate(series):
@@ -62,7 +63,7 @@ def gnuplot_file(path, title, xlabel, ylabel, series, stamp_text, logx=True, log
                 f.write(f"{x}\t{y}\n")
         rel = os.path.relpath(dat, os.path.dirname(path))
         colour = COLORS[(k // 2 if pairs else k) % len(COLORS)]
-        dash = " dt 2" if pairs and k % 2 else ""
+        dash = " dt 2" if (pairs and k % 2) or name in dashed else ""
         plots.append(f"'{rel}' using 1:2 with linespoints lw 2 pt 7{dash} lc rgb '{colour}' "
                      f"title '{name}' noenhanced")
     for k, (name, y) in enumerate(lines):
@@ -328,7 +329,8 @@ def draw(result_dirs, out_dir, stage=None, cpu_plots=True):
                     f"{'causal' if causal == '1' else 'non-causal'} (H = 2048/d, B = 16384/N)",
                     "N (sequence length)", "TFLOP/s",
                     [(s, [(int(r["Nq"]), float(r["tflops"])) for r in g])
-                     for s, g in sorted(groups.items())], stamp(sel), logy=True))
+                     for s, g in sorted(groups.items())], stamp(sel), logy=True,
+                    dashed={s for s in groups if s.startswith("sdpa_")}))
         sel = [r for r in gpu if r["direction"] == "fwd" and r["d"] == "64" and r["causal"] == "0"
                and r["dtype"] in ("fp32", "fp16") and r["B"] == "1" and r["H"] == "32"
                and not r["stage"].startswith("sdpa_")]
