@@ -39,9 +39,10 @@ for variant in "base=" "$@"; do
   label=${variant%%=*} flags=${variant#*=}
   bin="$bins/$stage-$label"
   # A kept binary is reused only if built from these very sources, flags and arch.
-  # attention.cu includes the stage's pass files, and earlier stages' (*/*.cuh).
-  key="$(cat "$stage/attention.cu" ./*/*.cuh common/*.h common/*.c common/*.cu \
-    ./*/steps/* 2> /dev/null | sha256sum | cut -c1-16)"
+  # attention.cu includes the stage's pass files, and earlier stages'; the stage folders only
+  # (NN_name), not a build folder's steps/, whose binaries differ from machine to machine.
+  key="$(export LC_ALL=C; cat "$stage/attention.cu" ./[0-9][0-9]_*/*.cuh common/*.h common/*.c \
+    common/*.cu ./[0-9][0-9]_*/steps/* 2> /dev/null | sha256sum | cut -c1-16)"
   key="$key sm_$arch $flags"
   if [ ! -x "$bin" ] || [ "$(cat "$bin.key" 2>/dev/null)" != "$key" ]; then
     echo "variants.sh: building $stage-$label ($flags)" >&2
