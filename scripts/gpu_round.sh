@@ -23,9 +23,8 @@
 # TESTS: extra ctest arguments for the three test phases; TEST_JOBS: tests run at once in the
 # tests and steps phases (default: the cores); SANITIZER_JOBS: in the sanitizer phase
 # (default 8); SLICE=K/N: the tests phase runs the K-th of N interleaved slices of its tests
-# (`-I K,COUNT,N`), so that N commands of a few minutes each run them all. On an H200 with 16
-# cores at 24 jobs, a third of the tests outside the sanitizer and step labels took 4.6 to 5.5
-# minutes, and the 80 step and 205 sanitizer tests together 8.4.
+# (`-I K,COUNT,N`), so that N commands of a few minutes each run them all (the README's
+# times table says how long each part takes on an H200).
 # SWEEP: the stages to sweep (default: every GPU stage); SWEEP_BUDGET:
 # seconds after which the sweep starts no new point; SWEEP_SEQ, SWEEP_DTYPES: a subset of
 # the sweep's sequence lengths and dtypes.
