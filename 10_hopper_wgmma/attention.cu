@@ -39,6 +39,7 @@ static const attn_stage stage = {
     .forward = forward,
     .backward_workspace = backward_workspace,
     .backward = hopper_backward,
+    .has_gqa = 1,
 };
 
 int main(int argc, char **argv) { return attention_main(&stage, argc, argv); }

@@ -197,8 +197,8 @@ __global__ void __launch_bounds__(forward_threads(D), 1)
     flash_forward_kernel(const __grid_constant__ CUtensorMap q_map,
                          const __grid_constant__ CUtensorMap k_map,
                          const __grid_constant__ CUtensorMap v_map, T *__restrict__ o,
-                         float *__restrict__ lse, int nq, int nkv, int heads, float scale,
-                         int causal) {
+                         float *__restrict__ lse, int nq, int nkv, int heads, int group,
+                         float scale, int causal) {
   constexpr int Cols = box_cols<D, T>(), Br = block_rows(D), Consumers = consumers(D);
   constexpr int ConsumerWarps = Consumers * WarpgroupThreads / 32;
   /* The copy engine and wgmma swizzle by address bits, so each tile, each box of a tile and
@@ -245,9 +245,9 @@ __global__ void __launch_bounds__(forward_threads(D), 1)
   auto produce = [&](int t) {
     int s = t % STAGES, parity = t / STAGES & 1;
     mbarrier_wait(&k_empty[s], parity ^ 1);
-    load_tile_async<D, Bc>(&k_map, t * Bc, bh, Ks + s * Bc * D, &k_full[s]);
+    load_tile_async<D, Bc>(&k_map, t * Bc, bh / group, Ks + s * Bc * D, &k_full[s]);
     mbarrier_wait(&v_empty[s], parity ^ 1);
-    load_tile_async<D, Bc>(&v_map, t * Bc, bh, Vs + s * Bc * D, &v_full[s]);
+    load_tile_async<D, Bc>(&v_map, t * Bc, bh / group, Vs + s * Bc * D, &v_full[s]);
   };
   const int warpgroup = threadIdx.x / WarpgroupThreads;
   if (warpgroup == 0) {
@@ -374,17 +374,18 @@ static CUtensorMap tile_map(const void *tensor, int rows, long heads) {
 
 template <int D, int STAGES, typename T>
 static void launch_forward(const attn_problem *p, const attn_buffers *t) {
-  int heads = p->batch * p->heads;
+  int heads = p->batch * p->heads, kv_heads = p->batch * attn_heads_kv(p);
   constexpr int Br = block_rows(D);
   dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
   CUtensorMap q_map = tile_map<D, Br, T>(t->q, p->seq_q, heads);
-  CUtensorMap k_map = tile_map<D, Bc, T>(t->k, p->seq_kv, heads);
-  CUtensorMap v_map = tile_map<D, Bc, T>(t->v, p->seq_kv, heads);
+  CUtensorMap k_map = tile_map<D, Bc, T>(t->k, p->seq_kv, kv_heads);
+  CUtensorMap v_map = tile_map<D, Bc, T>(t->v, p->seq_kv, kv_heads);
   size_t bytes = forward_bytes<T>(D, STAGES);
   attn_require_shared_memory((const void *)flash_forward_kernel<D, STAGES, T>, bytes,
                              "flash_forward_kernel");
   flash_forward_kernel<D, STAGES, T><<<grid, forward_threads(D), bytes, attn_stream()>>>(
-      q_map, k_map, v_map, (T *)t->o, t->lse, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
+      q_map, k_map, v_map, (T *)t->o, t->lse, p->seq_q, p->seq_kv, heads, attn_group(p), p->scale,
+      p->causal);
   CHECK_LAUNCH("flash_forward_kernel");
 }
 

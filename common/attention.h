@@ -79,6 +79,7 @@ typedef struct {
   attn_pass_fn backward;
   int has_gqa;        /* 0: --heads-kv other than H is rejected (GQA comes in 11_split_kv_decode) */
   int has_cache_lens; /* 0: --cache-lens is rejected (the KV cache comes in 11_split_kv_decode) */
+  int has_gqa_backward; /* 0: --backward with GQA is rejected (it comes in 12_hopper_backward) */
 } attn_stage;
 
 int attention_main(const attn_stage *stage, int argc, char **argv);

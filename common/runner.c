@@ -369,11 +369,14 @@ static void validate_for_stage(const attn_stage *s, const options *o) {
     attn_fail(EXIT_BAD_USAGE,
               "--cache-lens is not supported by this stage: decoding against a KV cache comes in "
               "11_split_kv_decode");
-  if (o->backward && (hkv != p->heads || o->cache_lens_text))
+  if (o->backward && o->cache_lens_text)
     attn_fail(EXIT_BAD_USAGE,
-              "--backward is not supported with %s: no stage has a backward for grouped-query "
-              "attention or a KV cache (decode needs none)",
-              hkv != p->heads ? "--heads-kv other than --heads" : "--cache-lens");
+              "--backward is not supported with --cache-lens: no stage has a backward for a KV "
+              "cache (decode needs none)");
+  if (o->backward && hkv != p->heads && !s->has_gqa_backward)
+    attn_fail(EXIT_BAD_USAGE,
+              "--backward is not supported with --heads-kv other than --heads by this stage: the "
+              "grouped-query backward comes in 12_hopper_backward");
 }
 
 /* A stream of the generator for --cache-lens random, apart from the inputs' (any constant

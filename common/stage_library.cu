@@ -21,7 +21,7 @@
  * every call returns the harness's exit code and attn_library_error says why (2: since
  * attn_library_backward takes `deterministic`). A library of another version would be
  * misread, so the package refuses one without this function or with another version. */
-extern "C" int attn_library_abi(void) { return 3; }
+extern "C" int attn_library_abi(void) { return 4; }
 
 /* The stage's descriptor: name, idea, head dims, dtypes, causal and backward support. The
  * program name is set here, once, so that the harness's error lines name the stage. */

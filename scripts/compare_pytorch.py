@@ -146,7 +146,7 @@ def reference(torch, q, k, v, do, scale, causal, dtype):
 
 
 HALF_STAGES = ["07_tensor_cores", "08_mma_sync", "09_swizzle_pipeline", "10_hopper_wgmma",
-               "11_split_kv_decode"]
+               "11_split_kv_decode", "12_hopper_backward"]
 
 
 def check_half_stages(torch, bin_dir):

@@ -5,8 +5,8 @@ torch.nn.functional.scaled_dot_product_attention.
     o = flash_stages.scaled_dot_product_attention(q, k, v, is_causal=True)       # fastest stage
     o = flash_stages.scaled_dot_product_attention(q, k, v, stage="08_mma_sync")  # one stage
 
-q is [B, H, Nq, d], k and v [B, H, Nkv, d] (or [B, Hkv, Nkv, d] with enable_gqa=True: stage
-11, forward only), CUDA tensors. The kernels are the stage programs' own (each stage's .cu
+q is [B, H, Nq, d], k and v [B, H, Nkv, d] (or [B, Hkv, Nkv, d] with enable_gqa=True: stages
+10 and 11 forward only, 12 forward and backward), CUDA tensors. The kernels are the stage programs' own (each stage's .cu
 file built as a library, common/stage_library.cu), run on PyTorch's tensors: the output is
 allocated by PyTorch and written by the kernel. Inputs in the kernels' layout (contiguous
 row-major [B, H, N, d], docs/conventions.md section 1, starting on a 16-byte boundary) are
@@ -48,16 +48,17 @@ __all__ = ["scaled_dot_product_attention", "stages", "stage_info", "FlashStagesE
            "HALF_STAGES", "PREFERENCE"]
 
 # The order the default choice tries: the fastest stage first (docs/results), each only where
-# it supports the inputs. 11 is 09 with grouped-query attention and a decode path: it takes
+# it supports the inputs. 12 is 10's forward with the Hopper backward (and the only
+# grouped-query backward). 11 is 09 with grouped-query attention and a decode path: it takes
 # what 09 cannot (key/value heads fewer than query heads).
-PREFERENCE = ("10_hopper_wgmma", "09_swizzle_pipeline", "11_split_kv_decode", "08_mma_sync",
+PREFERENCE = ("12_hopper_backward", "10_hopper_wgmma", "09_swizzle_pipeline", "11_split_kv_decode", "08_mma_sync",
               "07_tensor_cores", "06_backward", "05_causal", "04_shared_memory",
               "03_cuda_forward")
 HALF_STAGES = ("07_tensor_cores", "08_mma_sync", "09_swizzle_pipeline", "10_hopper_wgmma",
-               "11_split_kv_decode")
+               "11_split_kv_decode", "12_hopper_backward")
 # Stages built for one architecture only (sm_90a): the compute capability they need. The
 # program would exit on any other GPU; here the call is refused (or falls back) instead.
-_NEEDS_CAPABILITY = {"10_hopper_wgmma": (9, 0)}
+_NEEDS_CAPABILITY = {"10_hopper_wgmma": (9, 0), "12_hopper_backward": (9, 0)}
 # Every stage is built for compute capability 8.0 and later (docs/conventions.md section 6).
 _MIN_CAPABILITY = (8, 0)
 # The largest sizes the stage programs accept (common/runner.c): each dimension, and the
@@ -69,7 +70,7 @@ _TORCH_DTYPE = {_library.DTYPE_FP32: torch.float32, _library.DTYPE_FP16: torch.f
 _DTYPE_CODE = {v: k for k, v in _TORCH_DTYPE.items()}
 # Where each missing feature arrives in the ladder, for the error messages.
 _COMES_IN = {"causal": "05_causal", "backward": "06_backward", "half": "07_tensor_cores",
-             "gqa": "11_split_kv_decode"}
+             "gqa": "11_split_kv_decode", "gqa_backward": "12_hopper_backward"}
 
 
 class FlashStagesError(ValueError):
@@ -84,6 +85,7 @@ class StageInfo:
         self.head_dims = lib.head_dims
         self.dtypes = tuple(_TORCH_DTYPE[c] for c in lib.dtype_codes)
         self.causal, self.backward, self.gqa = lib.causal, lib.backward, lib.gqa
+        self.gqa_backward = lib.gqa_backward
 
     def __repr__(self):
         dt = ", ".join(str(t).replace("torch.", "") for t in self.dtypes)
@@ -149,9 +151,9 @@ def _unsupported(info, q, k, v, is_causal, enable_gqa, needs_grad):
     if k.shape[1] != q.shape[1] and not info.gqa:
         return (f"{info.name} has no grouped-query attention ({q.shape[1]} query heads, "
                 f"{k.shape[1]} key/value heads; it comes in {_COMES_IN['gqa']})")
-    if k.shape[1] != q.shape[1] and needs_grad:
+    if k.shape[1] != q.shape[1] and needs_grad and not info.gqa_backward:
         return (f"{info.name} has no backward for grouped-query attention ({q.shape[1]} query "
-                f"heads, {k.shape[1]} key/value heads): its backward is 09's")
+                f"heads, {k.shape[1]} key/value heads; it comes in {_COMES_IN['gqa_backward']})")
     return None
 
 

@@ -42,7 +42,7 @@ class Stage(ctypes.Structure):
                 ("saves_lse", ctypes.c_int), ("forward_workspace", ctypes.c_void_p),
                 ("forward", ctypes.c_void_p), ("backward_workspace", ctypes.c_void_p),
                 ("backward", ctypes.c_void_p), ("has_gqa", ctypes.c_int),
-                ("has_cache_lens", ctypes.c_int)]
+                ("has_cache_lens", ctypes.c_int), ("has_gqa_backward", ctypes.c_int)]
 
 
 class StageLibraryError(RuntimeError):
@@ -56,7 +56,7 @@ class StageLibraryError(RuntimeError):
 
 
 # The entry points' version this package calls (attn_library_abi in common/stage_library.cu).
-LIBRARY_ABI = 3
+LIBRARY_ABI = 4
 
 
 class StageLibrary:
@@ -90,6 +90,7 @@ class StageLibrary:
         self.causal = bool(s.has_causal)
         self.backward = bool(s.backward)
         self.gqa = bool(s.has_gqa)
+        self.gqa_backward = bool(s.has_gqa_backward)
 
     def error(self):
         """The line of this thread's last failed call, as the stage program would print it."""

@@ -28,7 +28,8 @@ HALF = [s for s in fs.HALF_STAGES if s in fs.stages()]
 FP32 = [s for s in ("03_cuda_forward", "04_shared_memory", "05_causal", "06_backward")
         if s in fs.stages()]
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-ATOMIC_DQ = ("09_swizzle_pipeline", "10_hopper_wgmma", "11_split_kv_decode")  # dQ by atomics
+ATOMIC_DQ = ("09_swizzle_pipeline", "10_hopper_wgmma", "11_split_kv_decode",  # dQ by atomics
+             "12_hopper_backward")  # (12: by the copy engine's reduce-add)
 
 # (B, H, Nq, Nkv, d, causal): ragged N, Nq != Nkv both ways, every head dim, and causal
 # shapes with Nq > Nkv, whose first Nq - Nkv rows see no key (O = 0, zero gradients).
@@ -135,6 +136,54 @@ def test_grouped_query_forward(shape):
     x = ref.to(torch.float16)
     floor = 2 * ((x + 0.3 - 0.3) - x).abs().max().item()
     assert err <= 2 * base + floor, f"O error {err:.3e} > 2 x {base:.3e} + {floor:.1e}"
+
+
+@pytest.mark.parametrize("shape", GQA_SHAPES + [(2, 8, 300, 259, 128, True)],
+                         ids=lambda s: "B{}H{}_{}x{}_d{}{}".format(*s[:5],
+                                                                   "_causal" if s[5] else ""))
+@pytest.mark.parametrize("dtype", list(HALF_DTYPES))
+def test_grouped_query_backward(shape, dtype):
+    """Stage 12's enable_gqa forward and backward by the half-precision rule, against float64
+    attention over the key/value heads repeated for their query heads: dK and dV of a
+    key/value head are the sums over its group, which autograd forms through the repeat."""
+    stage = "12_hopper_backward"
+    if stage not in fs.stages() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"{stage} is not loaded, or this GPU is not compute capability 9.0")
+    b, h, nq, nkv, d, causal = shape
+    heads_kv, scale, tdt = 2, 1 / math.sqrt(d), HALF_DTYPES[dtype]
+    q, k, v, d_o = inputs(shape, tdt)
+    k, v = k[:, :heads_kv].contiguous(), v[:, :heads_kv].contiguous()
+    qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
+    o = fs.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, enable_gqa=True,
+                                        stage=stage)
+    got = (o.detach(), *torch.autograd.grad(o, (qg, kg, vg), d_o))
+
+    def repeated(k, v):
+        return (x.repeat_interleave(h // heads_kv, dim=1) for x in (k, v))
+
+    kr, vr = (x.double().detach().requires_grad_(True) for x in (k, v))
+    qr = q.double().detach().requires_grad_(True)
+    mask = bottom_right_mask(nq, nkv, q.device) if causal else None
+    with sdpa_kernel(SDPBackend.MATH):
+        o_ref = torch.nn.functional.scaled_dot_product_attention(qr, *repeated(kr, vr),
+                                                                 attn_mask=mask, scale=scale)
+    ref = (o_ref.detach(), *torch.autograd.grad(o_ref, (qr, kr, vr), d_o.double()))
+    o_low, _, dq_low, dk_all, dv_all = same_precision_baseline(torch, q, *repeated(k, v), d_o,
+                                                               scale, causal, tdt)
+    group = h // heads_kv
+    dk_low = dk_all.unflatten(1, (heads_kv, group)).double().sum(2)
+    dv_low = dv_all.unflatten(1, (heads_kv, group)).double().sum(2)
+    failures = []
+    for name, m, g, lo, rf in zip(("O", "dQ", "dK", "dV"), (2, 4, 3, 3), got,
+                                  (o_low, dq_low, dk_low, dv_low), ref):
+        assert g.shape == rf.shape and torch.isfinite(g).all(), f"{name}: {tuple(g.shape)}"
+        err = (g.double() - rf).abs().max().item()
+        base = (lo.double() - rf).abs().max().item()
+        x = rf.to(tdt)
+        floor = 2 * ((x + 0.3 - 0.3) - x).abs().max().item()
+        if not err <= m * base + floor:
+            failures.append(f"{name} error {err:.3e} > {m} x {base:.3e} + {floor:.1e}")
+    assert not failures, "; ".join(failures)
 
 
 FP32_SHAPES = [(1, 2, 129, 129, 64, False), (2, 3, 113, 203, 32, True),
@@ -424,8 +473,16 @@ def test_errors_are_clear():
         fs.scaled_dot_product_attention(q, k[..., :32], v[..., :32], stage=stage)
     with pytest.raises(fs.FlashStagesError, match="enable_gqa=True"):
         fs.scaled_dot_product_attention(q, k[:, :1], v[:, :1], stage=stage)
-    with pytest.raises(fs.FlashStagesError, match="11_split_kv_decode"):
-        fs.scaled_dot_product_attention(q, k[:, :1], v[:, :1], enable_gqa=True, stage=stage)
+    for other in ("09_swizzle_pipeline", "08_mma_sync"):  # stages without GQA
+        if other in fs.stages():
+            with pytest.raises(fs.FlashStagesError, match="11_split_kv_decode"):
+                fs.scaled_dot_product_attention(q, k[:, :1], v[:, :1], enable_gqa=True,
+                                                stage=other)
+    if "11_split_kv_decode" in fs.stages():  # GQA, but no GQA backward
+        with pytest.raises(fs.FlashStagesError, match="comes in 12_hopper_backward"):
+            fs.scaled_dot_product_attention(q.requires_grad_(True), k[:, :1], v[:, :1],
+                                            enable_gqa=True, stage="11_split_kv_decode")
+        q = q.detach()
     with pytest.raises(fs.FlashStagesError, match="no attn_mask"):
         fs.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(64, 64, dtype=bool,
                                                                       device="cuda"))

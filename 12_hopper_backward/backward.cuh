@@ -1,0 +1,528 @@
+/* Stage 12's backward: FlashAttention-3's on Hopper's machinery, at d = 64 and 128 (d = 32
+ * stays on 09's backward, whose backward.cuh the program includes first).
+ *
+ * A block owns HbKeys keys of one K/V head and keeps their K and V tiles in shared memory. A
+ * producer warpgroup streams the query tiles of every query head that reads them (Q and dO by
+ * TMA, LSE and D by one warp) through a ring of HbStages stages; two consumer warpgroups, 64
+ * keys each, compute per tile:
+ *   S^T = K Q^T, dP^T = V dO^T                 wgmma, both operands in shared memory
+ *   P^T = 2^(S^T scale log2 e - LSE), dS^T = P^T (dP^T - D)     in registers
+ *   dV += P^T dO, dK += dS^T Q                 wgmma, A from registers (P^T, dS^T)
+ *   dQ = dS K                                  wgmma on dS^T stored to shared memory, the
+ *                                              fp32 sum added into global memory by the copy
+ *                                              engine (one bulk reduce-add a tile)
+ * dK and dV stay in registers for the whole walk over the queries. */
+#pragma once
+
+#include "../10_hopper_wgmma/forward.cuh"
+
+/* Keys per block: two consumer warpgroups of WgmmaM keys, the M of S^T = K Q^T. */
+constexpr int HbConsumers = 2, HbKeys = HbConsumers * WgmmaM;
+/* Queries per tile: the N of S^T and dP^T and the K of dV += P^T dO and dK += dS^T Q. At
+ * d = 128, 64 (S^T and dP^T take 32 registers each a thread): with dK and dV in registers
+ * (128 a thread), that is what 240 registers hold; FlashAttention-3 uses 64 to 80. At d = 64,
+ * where dK and dV take 64, 128: twice the products for each tile's exponentials, barriers and
+ * dQ addition, and an SS wgmma of N = 128, which needs less of shared memory's bandwidth for
+ * its work than one of N = 64 (10's Bc). */
+__host__ __device__ constexpr int hb_rows(int d) { return d > 64 ? 64 : 128; }
+/* dS^T is stored in boxes of 64 queries, one 128-byte swizzled row a key. */
+constexpr int DsBoxRows = 64;
+/* Query tiles in flight: 2, so that the copy of tile t + 1 runs while tile t is multiplied. */
+constexpr int HbStages = 2;
+/* dS^T buffers: 2, so that a warpgroup writes tile t + 1's while the other still reads tile
+ * t's for dQ; the consumers then meet once a tile, not twice. */
+constexpr int HbDsBuffers = 2;
+constexpr int HbThreads = (1 + HbConsumers) * WarpgroupThreads;
+constexpr int HbConsumerWarps = HbConsumers * WarpgroupThreads / 32;
+/* Named barriers: 0 is __syncthreads'; 1 joins the two consumer warpgroups, 2 + c one. */
+constexpr int ConsumersBarrier = 1, WarpgroupBarrier = 2;
+/* The producer's warps: 0 issues the copies, 1 writes each tile's LSE and D. */
+constexpr int CopyWarp = 0, RowStatsWarp = 1;
+
+/* The block's shared memory, each tile on an atom boundary: K and V (HbKeys rows), the ring of
+ * Q and dO tiles (HbRows rows) and of their rows' LSE and D, dS^T (HbKeys rows of HbRows
+ * queries, 128 bytes: one swizzled box) in HbDsBuffers, each consumer's fp32 part of dQ, and
+ * the mbarriers. */
+template <int D, typename T>
+struct HbLayout {
+  static constexpr int Rows = hb_rows(D);
+  static constexpr size_t key_tile = (size_t)HbKeys * D * sizeof(T);
+  static constexpr size_t row_tile = (size_t)Rows * D * sizeof(T);
+  static constexpr size_t ds_tile = (size_t)HbKeys * Rows * sizeof(T);
+  static constexpr size_t dq_part = (size_t)Rows * D / HbConsumers * sizeof(float);
+  static constexpr size_t k = 0, v = k + key_tile, q = v + key_tile;
+  static constexpr size_t d_o = q + HbStages * row_tile, ds = d_o + HbStages * row_tile;
+  static constexpr size_t dq = ds + HbDsBuffers * ds_tile;
+  static constexpr size_t stats = dq + HbConsumers * dq_part; /* LSE, D: Rows floats each */
+  static constexpr size_t barriers = stats + HbStages * 2 * Rows * sizeof(float);
+  static constexpr size_t bytes = barriers + (1 + 2 * HbStages) * sizeof(uint64_t) + AtomAlignment;
+  static_assert(DsBoxRows * sizeof(T) == 128 && Rows % DsBoxRows == 0,
+                "a key's row of dS^T is whole 128-byte swizzled boxes");
+  static_assert(key_tile % AtomAlignment == 0 && row_tile % AtomAlignment == 0 &&
+                    ds_tile % AtomAlignment == 0 && dq_part % AtomAlignment == 0,
+                "every tile starts on an atom boundary");
+};
+
+/* wgmma m64nNk16 with both operands in shared memory and their transpose bits: C (64 x N,
+ * fp32) += A (64 x 16) B (16 x N). Used for S^T and dP^T (N = HbRows, K-major operands) and for
+ * dQ (N = D / 2, both operands MN-major, read transposed). */
+#define HB_SS(TYPE, N, REGS, ACC, TA, TB) \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" ACC_N(N) ", 0;\n"                   \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " {" REGS \
+               "}, %" DESC_A(N) ", %" DESC_B(N) ", p, 1, 1, " #TA ", " #TB ";\n}\n"      \
+               : ACC                                                                     \
+               : "l"(a), "l"(b), "r"(accumulate))
+#define ACC_N(N) ACC_N_##N
+#define ACC_N_128 "66"
+#define ACC_N_64 "34"
+#define ACC_N_32 "18"
+#define DESC_A(N) DESC_A_##N
+#define DESC_A_128 "64"
+#define DESC_A_64 "32"
+#define DESC_A_32 "16"
+#define DESC_B(N) DESC_B_##N
+#define DESC_B_128 "65"
+#define DESC_B_64 "33"
+#define DESC_B_32 "17"
+template <int N, int TRANS, typename T>
+__device__ void wgmma_ss(float *d, uint64_t a, uint64_t b, int accumulate) {
+  constexpr bool half = std::is_same_v<T, __half>;
+  if constexpr (N == 128 && !TRANS && half) HB_SS("f16", 128, WG_REGS64, WG_ACC64, 0, 0);
+  if constexpr (N == 128 && !TRANS && !half) HB_SS("bf16", 128, WG_REGS64, WG_ACC64, 0, 0);
+  if constexpr (N == 64 && !TRANS && half) HB_SS("f16", 64, WG_REGS32, WG_ACC32, 0, 0);
+  if constexpr (N == 64 && !TRANS && !half) HB_SS("bf16", 64, WG_REGS32, WG_ACC32, 0, 0);
+  if constexpr (N == 64 && TRANS && half) HB_SS("f16", 64, WG_REGS32, WG_ACC32, 1, 1);
+  if constexpr (N == 64 && TRANS && !half) HB_SS("bf16", 64, WG_REGS32, WG_ACC32, 1, 1);
+  if constexpr (N == 32 && TRANS && half) HB_SS("f16", 32, WG_REGS16, WG_ACC16, 1, 1);
+  if constexpr (N == 32 && TRANS && !half) HB_SS("bf16", 32, WG_REGS16, WG_ACC16, 1, 1);
+  static_assert(N == 128 ? !TRANS : N == 64 || (N == 32 && TRANS),
+                "the shapes this backward issues");
+}
+
+/* S^T (or dP^T) = A B^T for one query tile: A the warpgroup's 64 keys of K (or V), B the
+ * tile's Rows rows of Q (or dO), both K-major (d along the rows), one wgmma a k-step of 16
+ * of d. A's rows are rows [64 c, 64 c + 64) of the HbKeys-row tile. */
+template <int D, typename T>
+__device__ void issue_scores(const T *A, const T *B, float (*s)[4]) {
+  constexpr int Cols = box_cols<D, T>(), Atom = 8 * Cols * sizeof(T), HbRows = hb_rows(D);
+#pragma unroll
+  for (int kk = 0; kk < D / MmaK; kk++) {
+    const int box = kk * MmaK / Cols, col = kk * MmaK % Cols;
+    uint64_t a = operand_descriptor<Cols * sizeof(T)>(A + box * HbKeys * Cols + col, 16, Atom);
+    uint64_t b = operand_descriptor<Cols * sizeof(T)>(B + box * HbRows * Cols + col, 16, Atom);
+    wgmma_ss<HbRows, 0, T>(&s[0][0], a, b, kk > 0);
+  }
+}
+
+/* dV += P^T dO (or dK += dS^T Q): A from registers (the keys' P^T, 16 queries a k-step), B the
+ * tile's rows of dO (or Q), MN-major (d along the rows), read transposed as 10's V is. */
+template <int D, typename T>
+__device__ void issue_update(const unsigned (*a)[4], const T *B, float (*acc)[4]) {
+  constexpr int Cols = box_cols<D, T>(), Atom = 8 * Cols * sizeof(T), HbRows = hb_rows(D);
+#pragma unroll
+  for (int kk = 0; kk < HbRows / MmaK; kk++)
+    wgmma_pv<D, T>(&acc[0][0], a[kk],
+                   operand_descriptor<Cols * sizeof(T)>(B + kk * MmaK * Cols,
+                                                        HbRows * Cols * sizeof(T), Atom));
+}
+
+/* dQ (the tile's queries x this warpgroup's D / 2 columns) = dS K, 64 queries (one box of
+ * dS^T) a wgmma: A = dS, read transposed from dS^T (keys down, queries along a 128-byte row),
+ * B = K's columns [c0, c0 + D / 2), read transposed (keys down): HbKeys / 16 k-steps over all
+ * the block's keys. */
+template <int D, typename T>
+__device__ void issue_dq(const T *dSt, const T *K, int c0, float (*dq)[D / 2 / MmaN][4]) {
+  constexpr int Cols = box_cols<D, T>(), Atom = 8 * Cols * sizeof(T);
+  const int box = c0 / Cols, col = c0 % Cols;
+#pragma unroll
+  for (int h = 0; h < hb_rows(D) / DsBoxRows; h++)
+#pragma unroll
+    for (int kk = 0; kk < HbKeys / MmaK; kk++) {
+      uint64_t a = operand_descriptor<128>(dSt + (h * HbKeys + kk * MmaK) * DsBoxRows, HbKeys * 128,
+                                           8 * 128);
+      uint64_t b = operand_descriptor<Cols * sizeof(T)>(
+          K + box * HbKeys * Cols + kk * MmaK * Cols + col, HbKeys * Cols * sizeof(T), Atom);
+      wgmma_ss<D / 2, 1, T>(&dq[h][0][0], a, b, kk > 0);
+    }
+}
+
+/* The lane's elements of a 64 x 64 accumulator tile: row (key) w 16 + g + 8 (e / 2) of the
+ * warpgroup, column (query) 8 n + 2 t + e % 2. P^T = 2^(s scale log2 e - LSE_i) in place of
+ * S^T, 0 where masked (past the queries or keys, or above the causal diagonal), with LSE in
+ * log2 units from the tile's row stats in shared memory; packed as the A operands of
+ * dV += P^T dO (two accumulators per 16 queries). */
+template <int ROWS, typename T>
+__device__ void probabilities_t(float (*s)[4], const float *lse_s, float scale_log2, int i0, int jw,
+                                int nq, int nkv, int offset, bool causal, bool masked,
+                                unsigned (*p_frag)[4]) {
+  int g = threadIdx.x % 32 / Quad, tq = threadIdx.x % Quad;
+#pragma unroll
+  for (int n = 0; n < ROWS / MmaN; n++) {
+    float2 l2 = *reinterpret_cast<const float2 *>(lse_s + n * MmaN + 2 * tq);
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      int i = i0 + n * MmaN + 2 * tq + e % 2, j = jw + g + 8 * (e / 2);
+      bool visible = !masked || (i < nq && j < nkv && (!causal || j <= i + offset));
+      s[n][e] =
+          visible ? fminf(1.f, exp2_approx(fmaf(s[n][e], scale_log2, e % 2 ? -l2.y : -l2.x))) : 0.f;
+    }
+    p_frag[n / 2][2 * (n % 2)] = pack2(s[n][0], s[n][1], T());
+    p_frag[n / 2][2 * (n % 2) + 1] = pack2(s[n][2], s[n][3], T());
+  }
+}
+/* The two values of a packed pair, low half first. */
+__device__ float2 unpack2(unsigned x, __half) {
+  return __half22float2(*reinterpret_cast<const __half2 *>(&x));
+}
+__device__ float2 unpack2(unsigned x, __nv_bfloat16) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&x));
+}
+
+/* dS^T = P^T (dP^T ds_scale - D_i ds_scale), D ds_scale from the row stats, packed as the A
+ * operands of dK += dS^T Q (see 09's probabilities_and_ds). P^T is read back from its packed
+ * operands, so that its fp32 values need no registers while dP^T is computed: at d = 128 the
+ * warpgroup holds dK and dV (128 registers a thread) besides. */
+template <int ROWS, typename T>
+__device__ void ds_t(const unsigned (*p_frag)[4], const float (*dp)[4], const float *delta_s,
+                     float dss, unsigned (*ds_frag)[4]) {
+  int tq = threadIdx.x % Quad;
+#pragma unroll
+  for (int n = 0; n < ROWS / MmaN; n++) {
+    float2 dd = *reinterpret_cast<const float2 *>(delta_s + n * MmaN + 2 * tq);
+    float2 p01 = unpack2(p_frag[n / 2][2 * (n % 2)], T());
+    float2 p23 = unpack2(p_frag[n / 2][2 * (n % 2) + 1], T());
+    float p[4] = {p01.x, p01.y, p23.x, p23.y}, ds[4];
+#pragma unroll
+    for (int e = 0; e < 4; e++) ds[e] = p[e] * fmaf(dp[n][e], dss, e % 2 ? -dd.y : -dd.x);
+    ds_frag[n / 2][2 * (n % 2)] = pack2(ds[0], ds[1], T());
+    ds_frag[n / 2][2 * (n % 2) + 1] = pack2(ds[2], ds[3], T());
+  }
+}
+/* dS^T into shared memory for dQ = dS K, in boxes of DsBoxRows queries: row (key) r of the
+ * block's HbKeys, 128 bytes of queries, chunk c of a row stored at chunk c ^ (r % 8), the
+ * swizzle TMA and wgmma use. */
+template <int ROWS, typename T>
+__device__ void store_ds_t(const unsigned (*ds_frag)[4], T *dSt, int row0) {
+  int g = threadIdx.x % 32 / Quad, tq = threadIdx.x % Quad;
+#pragma unroll
+  for (int kk = 0; kk < ROWS / MmaK; kk++)
+#pragma unroll
+    for (int reg = 0; reg < 4; reg++) { /* a[0]: rows 0-7, cols 0-7; a[1] rows 8-15; a[2..3] +8 */
+      int r = row0 + g + 8 * (reg % 2), col = kk * MmaK + 8 * (reg / 2) + 2 * tq;
+      char *box = reinterpret_cast<char *>(dSt + col / DsBoxRows * HbKeys * DsBoxRows);
+      int byte = col % DsBoxRows * (int)sizeof(T), chunk = byte / 16 ^ r % 8;
+      *reinterpret_cast<unsigned *>(box + r * 128 + chunk * 16 + byte % 16) = ds_frag[kk][reg];
+    }
+}
+
+/* The fp32 dQ of a query tile lives in global memory in the consumers' register order, not
+ * row by row: element e of accumulator n of thread x (of WarpgroupThreads) of consumer c is
+ * float c Rows D / 2 + n 4 WarpgroupThreads + 4 x + e of the tile's Rows D floats (the
+ * accumulators of queries 64 h on counted from n = h D / 16). A
+ * warp's float4 stores into shared memory are then whole lines, with no bank conflict, and the
+ * tile is one contiguous block that one bulk copy adds into global memory. convert_dq_tiles
+ * puts the rows back in order. */
+template <int N_ACCS>
+__device__ void store_dq_part(const float (*dq)[4], float *part) {
+  int x = threadIdx.x % WarpgroupThreads;
+#pragma unroll
+  for (int n = 0; n < N_ACCS; n++)
+    *reinterpret_cast<float4 *>(part + n * 4 * WarpgroupThreads + 4 * x) =
+        make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]);
+}
+
+/* The copy engine's reduction: bytes of fp32 in shared memory added element by element into
+ * global memory (PTX ISA: cp.reduce.async.bulk), one bulk group a call; wait_read<N> returns
+ * when all but N groups have read their shared memory, wait_done<N> when they are complete. */
+__device__ void bulk_add_f32(float *dst, const float *src, unsigned bytes) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+      "cp.async.bulk.commit_group;" ::"l"(dst),
+      "r"(shared_address(src)), "r"(bytes)
+      : "memory");
+}
+__device__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ void bulk_wait_done() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+/* Orders this thread's shared-memory writes before the copy engine's and tensor cores' reads
+ * of them (they read through the async proxy). */
+__device__ void fence_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+/* The deterministic path: a query tile's dQ sums its key blocks in their order. Key block kb
+ * adds its part once the counter of (query head, tile, consumer) says kb blocks have added,
+ * and moves it on when its addition is complete. Lower key blocks have lower block indices
+ * for the same head, so they are running or done: the wait ends. */
+__device__ void wait_turn(const int *counter, int turn) {
+  int seen;
+  do asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+  while (seen != turn);
+  asm volatile("fence.proxy.async.global;" ::: "memory"); /* before the copy engine's adds */
+}
+__device__ void pass_turn(int *counter, int next) {
+  asm volatile("fence.proxy.async.global;" ::: "memory"); /* the adds, before the release */
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(counter), "r"(next) : "memory");
+}
+
+template <int D, typename T>
+__global__ void __launch_bounds__(HbThreads, 1)
+    hopper_backward_kernel(const __grid_constant__ CUtensorMap q_map,
+                           const __grid_constant__ CUtensorMap k_map,
+                           const __grid_constant__ CUtensorMap v_map,
+                           const __grid_constant__ CUtensorMap do_map,
+                           const float *__restrict__ lse, const float *__restrict__ delta,
+                           const float *__restrict__ ds_stats, T *__restrict__ dk,
+                           T *__restrict__ dv, float *__restrict__ dq_accum, int *dq_turns, int nq,
+                           int nkv, int kv_heads, int group, float scale, int causal) {
+  using L = HbLayout<D, T>;
+  constexpr int HbRows = L::Rows;
+  extern __shared__ __align__(16) unsigned char hb_smem_raw[];
+  unsigned char *smem = reinterpret_cast<unsigned char *>(
+      (reinterpret_cast<uintptr_t>(hb_smem_raw) + AtomAlignment - 1) / AtomAlignment *
+      AtomAlignment);
+  T *Ks = reinterpret_cast<T *>(smem + L::k), *Vs = reinterpret_cast<T *>(smem + L::v);
+  T *Qs = reinterpret_cast<T *>(smem + L::q), *dOs = reinterpret_cast<T *>(smem + L::d_o);
+  T *dSs = reinterpret_cast<T *>(smem + L::ds);
+  float *dQs = reinterpret_cast<float *>(smem + L::dq);
+  float *stats_s = reinterpret_cast<float *>(smem + L::stats); /* [stage][LSE, D][HbRows] */
+  uint64_t *kv_full = reinterpret_cast<uint64_t *>(smem + L::barriers);
+  uint64_t *full = kv_full + 1, *empty = full + HbStages;
+  constexpr int RowTile = HbRows * D; /* elements of a Q or dO tile */
+
+  /* Causal blocks have unequal work: key block 0 meets every query tile. Ordered by key block
+   * across all heads, the heaviest start first (09's order); non-causal, a head's key blocks
+   * stay adjacent and share its Q and dO in L2. Either way a head's lower key blocks come
+   * first, which the deterministic path relies on. */
+  int key_blocks = (nkv + HbKeys - 1) / HbKeys;
+  long bh_kv = causal ? blockIdx.x % kv_heads : blockIdx.x / key_blocks;
+  int kb = (int)(causal ? blockIdx.x / kv_heads : blockIdx.x % key_blocks);
+  int j0 = kb * HbKeys, offset = nkv - nq;
+  /* Under the causal mask the first query that sees key j0 is j0 - offset: the tiles before
+   * its tile are skipped. Tiles start at multiples of HbRows, the same in every key block,
+   * so that they add into the same dQ tiles. */
+  int m_tiles = (nq + HbRows - 1) / HbRows, first = causal ? max(0, j0 - offset) / HbRows : 0;
+  int head_tiles = max(0, m_tiles - first), tiles = group * head_tiles;
+  int wg = threadIdx.x / WarpgroupThreads;
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(kv_full, 2);         /* K's and V's expect_bytes */
+    for (int s = 0; s < HbStages; s++) /* Q's and dO's expect_bytes, the row stats' arrival */
+      mbarrier_init(&full[s], 3), mbarrier_init(&empty[s], HbConsumerWarps);
+    fence_barrier_init();
+  }
+  __syncthreads(); /* the barriers are initialised before anyone waits on them */
+
+  /* Tile t: query head bh_kv group + t / head_tiles (the group's heads read this K and V),
+   * rows from (first + t % head_tiles) HbRows. */
+  auto tile_head = [&](int t) { return bh_kv * group + t / head_tiles; };
+  auto tile_row = [&](int t) { return (first + t % head_tiles) * HbRows; };
+  if (wg == 0) { /* the producer: one thread issues every copy, one warp the row stats */
+    give_registers<ProducerRegisters>();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (warp == CopyWarp && lane == 0) {
+      load_tile_async<D, HbKeys, T>(&k_map, j0, bh_kv, Ks, kv_full);
+      load_tile_async<D, HbKeys, T>(&v_map, j0, bh_kv, Vs, kv_full);
+    }
+    if ((warp != CopyWarp || lane != 0) && warp != RowStatsWarp) return;
+    const float dss = ds_scale(ds_stats);
+    for (int t = 0; t < tiles; t++) {
+      int s = t % HbStages, i0 = tile_row(t);
+      long head = tile_head(t);
+      /* WAR: every consumer warp is done with the stage's last tile before it is refilled */
+      if (t >= HbStages) mbarrier_wait(&empty[s], (t / HbStages - 1) % 2);
+      if (warp == CopyWarp) {
+        load_tile_async<D, HbRows, T>(&q_map, i0, head, Qs + s * RowTile, &full[s]);
+        load_tile_async<D, HbRows, T>(&do_map, i0, head, dOs + s * RowTile, &full[s]);
+        continue;
+      }
+      /* LSE in log2 units and D ds_scale (see probabilities_and_ds); 0 past the queries,
+       * whose elements are masked */
+      float *lse_t = stats_s + s * 2 * HbRows, *delta_t = lse_t + HbRows;
+      for (int r = lane; r < HbRows; r += 32) {
+        int i = i0 + r;
+        lse_t[r] = i < nq ? lse[head * nq + i] * Log2e : 0.f;
+        delta_t[r] = i < nq ? delta[head * nq + i] * dss : 0.f;
+      }
+      __syncwarp(); /* the warp's stores come before lane 0's arrival releases them */
+      if (lane == 0) mbarrier_arrive(&full[s]);
+    }
+    return;
+  }
+
+  take_registers<consumer_registers(128)>();
+  const int c = wg - 1, tw = threadIdx.x % WarpgroupThreads;
+  const int jw = j0 + c * WgmmaM + tw / 32 * MmaM; /* this warp's first key */
+  const T *Kc = Ks + c * WgmmaM * box_cols<D, T>(), *Vc = Vs + c * WgmmaM * box_cols<D, T>();
+  float *dq_part = dQs + c * HbRows * D / 2;
+  const float scale_log2 = scale * Log2e, dss = ds_scale(ds_stats);
+  float dk_acc[D / MmaN][4] = {}, dv_acc[D / MmaN][4] = {};
+  mbarrier_wait(kv_full, 0); /* RAW: K and V have landed */
+  for (int t = 0; t < tiles; t++) {
+    int s = t % HbStages, i0 = tile_row(t);
+    long head = tile_head(t);
+    const T *Qt = Qs + s * RowTile, *dOt = dOs + s * RowTile;
+    T *dSt = dSs + t % HbDsBuffers * (HbKeys * HbRows);
+    mbarrier_wait(&full[s], t / HbStages % 2); /* RAW: the tile's Q, dO, LSE and D have landed */
+    /* Three groups in flight at most: while the tensor cores compute dP^T the warpgroup turns
+     * S^T into P^T, and while they compute dV it turns dP^T into dS^T. */
+    float st[HbRows / MmaN][4], dpt[HbRows / MmaN][4];
+    wgmma_fence(); /* the last tile's reads of st and dpt come before these products */
+    issue_scores<D, T>(Kc, Qt, st);
+    wgmma_commit();
+    issue_scores<D, T>(Vc, dOt, dpt);
+    wgmma_commit();
+    wgmma_wait<1>(); /* S^T is done; dP^T may still run */
+    settle<HbRows / 2>(&st[0][0]);
+    bool masked = i0 + HbRows > nq || jw + MmaM > nkv || (causal && jw + MmaM - 1 > i0 + offset);
+    unsigned p_frag[HbRows / MmaK][4], ds_frag[HbRows / MmaK][4];
+    const float *lse_t = stats_s + s * 2 * HbRows;
+    probabilities_t<HbRows, T>(st, lse_t, scale_log2, i0, jw, nq, nkv, offset, causal, masked,
+                               p_frag);
+    wgmma_fence(); /* P^T's registers are written before the product reads them */
+    issue_update<D, T>(p_frag, dOt, dv_acc);
+    wgmma_commit();
+    wgmma_wait<1>(); /* dP^T is done; dV may still run */
+    settle<HbRows / 2>(&dpt[0][0]);
+    ds_t<HbRows, T>(p_frag, dpt, lse_t + HbRows, dss, ds_frag);
+    store_ds_t<HbRows, T>(ds_frag, dSt, c * WgmmaM + tw / 32 * MmaM);
+    fence_async_shared(); /* dS^T's stores, before the tensor cores read them */
+    wgmma_fence();
+    issue_update<D, T>(ds_frag, Qt, dk_acc);
+    wgmma_commit();
+    /* WAR on dq_part: the last tile's bulk add has read it (the barrier below publishes it) */
+    if (tw == 0) bulk_wait_read();
+    /* RAW: both halves of dS^T are whole. (WAR: the other consumer's dQ of tile t - 1 read
+     * the buffer this one writes next, and it finished that before arriving here.) */
+    asm volatile("bar.sync %0, %1;" ::"n"(ConsumersBarrier), "n"(HbConsumers * WarpgroupThreads)
+                 : "memory");
+    float dq[HbRows / DsBoxRows][D / 2 / MmaN][4];
+    wgmma_fence(); /* the last tile's reads of dq come before this product overwrites it */
+    issue_dq<D, T>(dSt, Ks, c * D / 2, dq);
+    wgmma_commit();
+    wgmma_wait<0>();
+    settle<D / 2 * 2>(&dk_acc[0][0]), settle<D / 2 * 2>(&dv_acc[0][0]),
+        settle<HbRows * D / 256>(&dq[0][0][0]);
+    /* WAR: the warp is done with this stage's Q, dO, LSE and D */
+    if (tw % 32 == 0) mbarrier_arrive(&empty[s]);
+    store_dq_part<HbRows / DsBoxRows * D / 2 / MmaN>(dq[0], dq_part);
+    fence_async_shared(); /* the part's stores, before the copy engine reads them */
+    /* RAW: the whole part is in shared memory before one thread hands it to the copy engine */
+    asm volatile("bar.sync %0, %1;" ::"r"(WarpgroupBarrier + c), "n"(WarpgroupThreads) : "memory");
+    if (tw == 0) {
+      long tile = head * m_tiles + i0 / HbRows;
+      int *turn = dq_turns ? dq_turns + tile * HbConsumers + c : nullptr;
+      if (turn) wait_turn(turn, kb);
+      bulk_add_f32(dq_accum + tile * HbRows * D + c * HbRows * D / 2, dq_part, L::dq_part);
+      if (turn) bulk_wait_done(), pass_turn(turn, kb + 1);
+    }
+  }
+  if (tw == 0) bulk_wait_done(); /* the last part is read before the block's memory goes */
+  /* dK = scale / ds_scale dS^T Q, dV = P^T dO: the warp's 16 keys, rows past nkv not stored. */
+  float dk_factor[2] = {scale / dss, scale / dss}, dv_factor[2] = {1.f, 1.f};
+  store_tile<D, 1>(reinterpret_cast<const float(*)[D / MmaN][4]>(dk_acc), dk_factor,
+                   dk + (bh_kv * nkv + jw) * D, nkv - jw);
+  store_tile<D, 1>(reinterpret_cast<const float(*)[D / MmaN][4]>(dv_acc), dv_factor,
+                   dv + (bh_kv * nkv + jw) * D, nkv - jw);
+}
+
+/* dQ = scale / ds_scale times the fp32 sums, in the dtype and in row order: a thread takes the
+ * four floats of one accumulator (store_dq_part's order), two columns of two rows. */
+template <int D, typename T>
+__global__ void convert_dq_tiles(const float *dq_accum, const float *ds_stats, T *dq, long tiles,
+                                 int nq, float scale) {
+  constexpr int HbRows = hb_rows(D), PartFloats = HbRows * D / HbConsumers;
+  long at = (blockIdx.x * (long)blockDim.x + threadIdx.x) * 4;
+  if (at >= tiles * HbRows * D) return;
+  long tile = at / (HbRows * D);
+  int in_tile = (int)(at % (HbRows * D)), c = in_tile / PartFloats;
+  int n = in_tile % PartFloats / (4 * WarpgroupThreads), x = in_tile % (4 * WarpgroupThreads) / 4;
+  int h = n / (D / 2 / MmaN); /* the accumulators of queries 64 h on */
+  n %= D / 2 / MmaN;
+  int m_tiles = (nq + HbRows - 1) / HbRows;
+  long head = tile / m_tiles;
+  int r = (int)(tile % m_tiles) * HbRows + h * DsBoxRows + x / 32 * MmaM + x % 32 / Quad;
+  int col = c * D / 2 + n * MmaN + 2 * (x % Quad);
+  float4 v = *reinterpret_cast<const float4 *>(dq_accum + at);
+  float f = scale / ds_scale(ds_stats);
+  if (r < nq)
+    *reinterpret_cast<unsigned *>(dq + (head * nq + r) * D + col) = pack2(v.x * f, v.y * f, T());
+  if (r + 8 < nq)
+    *reinterpret_cast<unsigned *>(dq + (head * nq + r + 8) * D + col) =
+        pack2(v.z * f, v.w * f, T());
+}
+
+/* The workspace: D of every row, then from a 128-byte boundary the fp32 dQ tiles, the bound on
+ * |dS| (DsStats floats) and the deterministic path's counters; at least 09's, for the shapes
+ * that run 09's backward. */
+static size_t hb_tile_floats(const attn_problem *p) {
+  int rows = hb_rows(p->head_dim);
+  return (size_t)p->batch * p->heads * ((p->seq_q + rows - 1) / rows) * rows * p->head_dim;
+}
+static size_t hb_turns(const attn_problem *p) {
+  int rows = hb_rows(p->head_dim);
+  return (size_t)p->batch * p->heads * ((p->seq_q + rows - 1) / rows) * HbConsumers;
+}
+static size_t hopper_backward_workspace(const attn_problem *p) {
+  size_t ours = sizeof(float) * (delta_floats(attn_lse_elems(p)) + hb_tile_floats(p) + DsStats) +
+                sizeof(int) * hb_turns(p);
+  return ours > backward_workspace(p) ? ours : backward_workspace(p);
+}
+
+template <int D, typename T>
+static void launch_hopper_backward(const attn_problem *p, const attn_buffers *t) {
+  int heads = p->batch * p->heads, kv_heads = p->batch * attn_heads_kv(p);
+  long rows = (long)heads * p->seq_q, kv_rows = (long)kv_heads * p->seq_kv;
+  float *delta = (float *)t->workspace, *dq_accum = delta + delta_floats(rows);
+  long tile_floats = (long)hb_tile_floats(p);
+  float *ds_stats = dq_accum + tile_floats;
+  int *turns = attn_deterministic() ? reinterpret_cast<int *>(ds_stats + DsStats) : nullptr;
+  launch_delta<D, T>(t, delta, std::is_same_v<T, __half> ? ds_stats : nullptr, rows, kv_rows);
+  if (!std::is_same_v<T, __half>) ds_stats = nullptr; /* bf16: no scaling of dS */
+  CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, sizeof(float) * tile_floats, attn_stream()));
+  if (turns) CUDA_CHECK(cudaMemsetAsync(turns, 0, sizeof(int) * hb_turns(p), attn_stream()));
+  CUtensorMap q_map = tile_map<D, hb_rows(D), T>(t->q, p->seq_q, heads);
+  CUtensorMap do_map = tile_map<D, hb_rows(D), T>(t->d_o, p->seq_q, heads);
+  CUtensorMap k_map = tile_map<D, HbKeys, T>(t->k, p->seq_kv, kv_heads);
+  CUtensorMap v_map = tile_map<D, HbKeys, T>(t->v, p->seq_kv, kv_heads);
+  size_t bytes = HbLayout<D, T>::bytes;
+  attn_require_shared_memory((const void *)hopper_backward_kernel<D, T>, bytes,
+                             "hopper_backward_kernel");
+  unsigned blocks = (unsigned)((p->seq_kv + HbKeys - 1) / HbKeys * kv_heads);
+  hopper_backward_kernel<D, T><<<blocks, HbThreads, bytes, attn_stream()>>>(
+      q_map, k_map, v_map, do_map, t->lse, delta, ds_stats, (T *)t->dk, (T *)t->dv, dq_accum, turns,
+      p->seq_q, p->seq_kv, kv_heads, attn_group(p), p->scale, p->causal);
+  CHECK_LAUNCH("hopper_backward_kernel");
+  const int convert_threads = 256; /* a memory-bound pass: any full-warp count will do */
+  long tiles = tile_floats / (hb_rows(D) * D);
+  convert_dq_tiles<D, T>
+      <<<(unsigned)((tile_floats / 4 + convert_threads - 1) / convert_threads), convert_threads, 0,
+         attn_stream()>>>(dq_accum, ds_stats, (T *)t->dq, tiles, p->seq_q, p->scale);
+  CHECK_LAUNCH("convert_dq_tiles");
+}
+
+template <int D, typename T = __half>
+static void launch_hopper(const attn_problem *p, const attn_buffers *t) {
+  if (p->dtype == DTYPE_BF16 && !std::is_same_v<T, __nv_bfloat16>)
+    return launch_hopper<D, __nv_bfloat16>(p, t);
+  launch_hopper_backward<D, T>(p, t);
+}
+
+/* Where this backward cannot run, 09's does: at d = 32 (see the README) and on a device whose
+ * shared memory is smaller than the block's. 09's has no grouped-query backward. */
+static void hopper_backward(const attn_problem *p, const attn_buffers *t) {
+  require_hopper();
+  size_t bytes = p->head_dim == 64    ? HbLayout<64, __half>::bytes
+                 : p->head_dim == 128 ? HbLayout<128, __half>::bytes
+                                      : 0;
+  if (bytes && bytes <= attn_shared_memory_limit()) {
+    if (p->head_dim == 64) launch_hopper<64>(p, t);
+    if (p->head_dim == 128) launch_hopper<128>(p, t);
+    return;
+  }
+  if (attn_group(p) > 1)
+    attn_fail(EXIT_BAD_USAGE,
+              "the grouped-query backward needs d = 64 or 128 and %zu bytes of shared memory a "
+              "block; here 09's backward runs, which has none",
+              bytes ? bytes : HbLayout<64, __half>::bytes);
+  backward(p, t);
+}
