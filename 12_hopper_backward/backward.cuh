@@ -33,7 +33,6 @@ constexpr int HbStages = 2;
  * t's for dQ; the consumers then meet once a tile, not twice. */
 constexpr int HbDsBuffers = 2;
 constexpr int HbThreads = (1 + HbConsumers) * WarpgroupThreads;
-constexpr int HbConsumerWarps = HbConsumers * WarpgroupThreads / 32;
 /* Named barriers: 0 is __syncthreads'; 1 joins the two consumer warpgroups, 2 + c one. */
 constexpr int ConsumersBarrier = 1, WarpgroupBarrier = 2;
 /* The producer's warps: 0 issues the copies, 1 writes each tile's LSE and D. */
@@ -305,9 +304,11 @@ __global__ void __launch_bounds__(HbThreads, 1)
   int wg = threadIdx.x / WarpgroupThreads;
 
   if (threadIdx.x == 0) {
-    mbarrier_init(kv_full, 2);         /* K's and V's expect_bytes */
-    for (int s = 0; s < HbStages; s++) /* Q's and dO's expect_bytes, the row stats' arrival */
-      mbarrier_init(&full[s], 3), mbarrier_init(&empty[s], HbConsumerWarps);
+    mbarrier_init(kv_full, 2); /* K's and V's expect_bytes */
+    /* full: Q's and dO's expect_bytes and each row-stats lane's arrival; empty: each consumer
+     * thread's (each arrives after its own reads and writes, which the arrival releases) */
+    for (int s = 0; s < HbStages; s++)
+      mbarrier_init(&full[s], 2 + 32), mbarrier_init(&empty[s], HbConsumers * WarpgroupThreads);
     fence_barrier_init();
   }
   __syncthreads(); /* the barriers are initialised before anyone waits on them */
@@ -343,8 +344,7 @@ __global__ void __launch_bounds__(HbThreads, 1)
         lse_t[r] = i < nq ? lse[head * nq + i] * Log2e : 0.f;
         delta_t[r] = i < nq ? delta[head * nq + i] * dss : 0.f;
       }
-      __syncwarp(); /* the warp's stores come before lane 0's arrival releases them */
-      if (lane == 0) mbarrier_arrive(&full[s]);
+      mbarrier_arrive(&full[s]); /* releases this lane's stores */
     }
     return;
   }
@@ -402,8 +402,8 @@ __global__ void __launch_bounds__(HbThreads, 1)
     wgmma_wait<0>();
     settle<D / 2 * 2>(&dk_acc[0][0]), settle<D / 2 * 2>(&dv_acc[0][0]),
         settle<HbRows * D / 256>(&dq[0][0][0]);
-    /* WAR: the warp is done with this stage's Q, dO, LSE and D */
-    if (tw % 32 == 0) mbarrier_arrive(&empty[s]);
+    /* WAR: the thread is done with this stage's Q, dO, LSE and D */
+    mbarrier_arrive(&empty[s]);
     store_dq_part<HbRows / DsBoxRows * D / 2 / MmaN>(dq[0], dq_part);
     fence_async_shared(); /* the part's stores, before the copy engine reads them */
     /* RAW: the whole part is in shared memory before one thread hands it to the copy engine */
