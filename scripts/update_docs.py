@@ -162,7 +162,7 @@ PASS_FILES = ["tiles.cuh", "mma.cuh", "hopper.cuh", "forward.cuh", "decode.cuh",
 def files_of(root, stage):
     """A stage's files by name: its pass files, or {"": its one source}."""
     split = [f for f in PASS_FILES if os.path.exists(os.path.join(root, stage, f))]
-    if "forward.cuh" in split:
+    if any(f != "attention.cu" for f in split):
         return {f: f"{stage}/{f}" for f in split}
     src = source_of(root, stage)
     return {"": os.path.relpath(src, root)} if src else {}
