@@ -39,9 +39,9 @@ constexpr int ConsumersBarrier = 1, WarpgroupBarrier = 2;
 constexpr int CopyWarp = 0, RowStatsWarp = 1;
 
 /* The block's shared memory, each tile on an atom boundary: K and V (HbKeys rows), the ring of
- * Q and dO tiles (HbRows rows) and of their rows' LSE and D, dS^T (HbKeys rows of HbRows
- * queries, 128 bytes: one swizzled box) in HbDsBuffers, each consumer's fp32 part of dQ, and
- * the mbarriers. */
+ * Q and dO tiles (Rows rows) and of their rows' LSE and D, dS^T (HbKeys rows of Rows queries,
+ * in boxes of DsBoxRows) in HbDsBuffers, each consumer's fp32 part of dQ, and the
+ * mbarriers. */
 template <int D, typename T>
 struct HbLayout {
   static constexpr int Rows = hb_rows(D);
