@@ -6,14 +6,14 @@ torch.nn.functional.scaled_dot_product_attention.
     o = flash_stages.scaled_dot_product_attention(q, k, v, stage="08_mma_sync")  # one stage
 
 q is [B, H, Nq, d], k and v [B, H, Nkv, d] (or [B, Hkv, Nkv, d] with enable_gqa=True: stages
-10 and 11 forward only, 12 forward and backward), CUDA tensors. The kernels are the stage programs' own (each stage's .cu
-file built as a library, common/stage_library.cu), run on PyTorch's tensors: the output is
-allocated by PyTorch and written by the kernel. Inputs in the kernels' layout (contiguous
-row-major [B, H, N, d], docs/conventions.md section 1, starting on a 16-byte boundary) are
-read in place; any other layout, such as [B, N, H, d].transpose(1, 2), is first copied into
-it. Two custom operators, flash_stages::forward and flash_stages::backward, carry the
-autograd formula and a fake-tensor implementation, so torch.compile traces a call without a
-graph break.
+10 and 11 forward only, 12 forward and backward), CUDA tensors. The kernels are the stage
+programs' own (each stage's .cu file built as a library, common/stage_library.cu), run on
+PyTorch's tensors: the output is allocated by PyTorch and written by the kernel. Inputs in the
+kernels' layout (contiguous row-major [B, H, N, d], docs/conventions.md section 1, starting on
+a 16-byte boundary) are read in place; any other layout, such as [B, N, H, d].transpose(1, 2),
+is first copied into it. Two custom operators, flash_stages::forward and
+flash_stages::backward, carry the autograd formula and a fake-tensor implementation, so
+torch.compile traces a call without a graph break.
 
 What differs from SDPA, on purpose:
   - is_causal is aligned bottom-right (key j is visible to query i when j <= i + Nkv - Nq),
@@ -51,9 +51,9 @@ __all__ = ["scaled_dot_product_attention", "stages", "stage_info", "FlashStagesE
 # it supports the inputs. 12 is 10's forward with the Hopper backward (and the only
 # grouped-query backward). 11 is 09 with grouped-query attention and a decode path: it takes
 # what 09 cannot (key/value heads fewer than query heads).
-PREFERENCE = ("12_hopper_backward", "10_hopper_wgmma", "09_swizzle_pipeline", "11_split_kv_decode", "08_mma_sync",
-              "07_tensor_cores", "06_backward", "05_causal", "04_shared_memory",
-              "03_cuda_forward")
+PREFERENCE = ("12_hopper_backward", "10_hopper_wgmma", "09_swizzle_pipeline",
+              "11_split_kv_decode", "08_mma_sync", "07_tensor_cores", "06_backward", "05_causal",
+              "04_shared_memory", "03_cuda_forward")
 HALF_STAGES = ("07_tensor_cores", "08_mma_sync", "09_swizzle_pipeline", "10_hopper_wgmma",
                "11_split_kv_decode", "12_hopper_backward")
 # Stages built for one architecture only (sm_90a): the compute capability they need. The
@@ -371,7 +371,7 @@ def _backward_op(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     d_o, q, k, v, o = (_in_kernel_layout(t) for t in (d_o, q, k, v, o))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     p = _problem(q, k, causal, scale)
-    # torch's deterministic mode asks the stage for its deterministic dQ path (09-11), as
+    # torch's deterministic mode asks the stage for its deterministic dQ path (09-12), as
     # ATTN_DETERMINISTIC=1 in the environment does, which is left as the caller set it.
     deterministic = torch.are_deterministic_algorithms_enabled()
     with _on_device(q.device) as stream:

@@ -27,7 +27,7 @@ The corpus and the order of the batches are the same for every run; a run's seed
 the initial weights (there is no dropout).
 
 Training uses torch.autocast(bfloat16) on CUDA, so the attention inputs are bf16, which the
-stages 07-11 take; on the CPU (a smoke test without a GPU) it runs in float32 with SDPA only.
+stages 07-12 take; on the CPU (a smoke test without a GPU) it runs in float32 with SDPA only.
 """
 import argparse
 import datetime
