@@ -154,9 +154,9 @@ def results_table(root):
 
 # Stages 07 on are split by pass: attention.cu (descriptor, main) includes the pass files and
 # the helper headers, in this reading order. A stage without a file of an earlier stage builds
-# that one (10 and 11 build 09's backward).
-PASS_FILES = ["tiles.cuh", "mma.cuh", "hopper.cuh", "forward.cuh", "decode.cuh", "merge.cuh", "delta.cuh",
-              "backward.cuh", "attention.cu"]
+# that one (10 and 11 build 09's backward, 12 10's forward).
+PASS_FILES = ["tiles.cuh", "mma.cuh", "hopper.cuh", "forward.cuh", "decode.cuh", "merge.cuh",
+              "delta.cuh", "products.cuh", "backward.cuh", "attention.cu"]
 
 
 def files_of(root, stage):
