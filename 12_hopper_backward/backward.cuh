@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(HbThreads, 1)
     for (int t = 0; t < tiles; t++) {
       int s = t % HbStages, i0 = tile_row(t);
       long head = tile_head(t);
-      /* WAR: every consumer warp is done with the stage's last tile before it is refilled */
+      /* WAR: every consumer thread is done with the stage's last tile before it is refilled */
       if (t >= HbStages) mbarrier_wait(&empty[s], (t / HbStages - 1) % 2);
       if (warp == CopyWarp) {
         load_tile_async<D, HbRows, T>(&q_map, i0, head, Qs + s * RowTile, &full[s]);
