@@ -118,6 +118,20 @@ function(attn_compare_runs stage case kind mode)
   attn_gate_properties(${kind} ${name})
 endfunction()
 
+# A stage built on wgmma and setmaxnreg, which exist only in sm_90a, the architecture-specific
+# Hopper target: its program and library are built for it alone, whatever
+# CMAKE_CUDA_ARCHITECTURES says, and say on any other GPU that they need compute capability 9.0
+# (exit 77). (Stages 10 and 12.)
+function(attn_hopper_only stage)
+  foreach(target ${stage} attn_${stage})
+    if(TARGET ${target})
+      set_target_properties(${target} PROPERTIES CUDA_ARCHITECTURES OFF)
+      target_compile_options(${target} PRIVATE
+                             $<$<COMPILE_LANGUAGE:CUDA>:-gencode=arch=compute_90a,code=sm_90a>)
+    endif()
+  endforeach()
+endfunction()
+
 function(attention_stage name source)
   cmake_parse_arguments(ARG "CAUSAL;BACKWARD;ATOMIC_DQ;ANY_DIM;GQA;CACHE_LENS" "" "DIMS;DTYPES"
                         ${ARGN})
