@@ -3,7 +3,7 @@
  *
  * A block owns HbKeys keys of one K/V head and keeps their K and V tiles in shared memory. A
  * producer warpgroup streams the query tiles of every query head that reads them (Q and dO by
- * TMA, LSE and D by one warp) through a ring of HbStages stages; two consumer warpgroups, 64
+ * TMA, LSE and D by one warp) through a ring of hb_stages(D) stages; two consumer warpgroups, 64
  * keys each, compute per tile:
  *   S^T = K Q^T, dP^T = V dO^T                 wgmma, both operands in shared memory
  *   P^T = 2^(S^T scale log2 e - LSE), dS^T = P^T (dP^T - D)     in registers
@@ -22,31 +22,31 @@
  * mbarriers. */
 template <int D, typename T>
 struct HbLayout {
-  static constexpr int Rows = hb_rows(D);
+  static constexpr int Rows = hb_rows(D), Stages = hb_stages(D);
   static constexpr size_t key_tile = (size_t)HbKeys * D * sizeof(T);
   static constexpr size_t row_tile = (size_t)Rows * D * sizeof(T);
   static constexpr size_t ds_tile = (size_t)HbKeys * Rows * sizeof(T);
   static constexpr size_t dq_part = (size_t)Rows * D / HbConsumers * sizeof(float);
   static constexpr size_t k = 0, v = k + key_tile, q = v + key_tile;
-  static constexpr size_t d_o = q + HbStages * row_tile, ds = d_o + HbStages * row_tile;
+  static constexpr size_t d_o = q + Stages * row_tile, ds = d_o + Stages * row_tile;
   static constexpr size_t dq = ds + HbDsBuffers * ds_tile;
   static constexpr size_t stats = dq + HbConsumers * dq_part; /* LSE, D: Rows floats each */
-  static constexpr size_t barriers = stats + HbStages * 2 * Rows * sizeof(float);
-  static constexpr size_t bytes = barriers + (1 + 2 * HbStages) * sizeof(uint64_t) + AtomAlignment;
+  static constexpr size_t barriers = stats + Stages * 2 * Rows * sizeof(float);
+  static constexpr size_t bytes = barriers + (1 + 2 * Stages) * sizeof(uint64_t) + AtomAlignment;
   static_assert(DsBoxRows * sizeof(T) == 128 && Rows % DsBoxRows == 0,
                 "a key's row of dS^T is whole 128-byte swizzled boxes");
   static_assert(key_tile % AtomAlignment == 0 && row_tile % AtomAlignment == 0 &&
                     ds_tile % AtomAlignment == 0 && dq_part % AtomAlignment == 0,
                 "every tile starts on an atom boundary");
+  static_assert(bytes <= 227 * 1024, "within the 227 KiB a block of an H100 or H200 may opt into");
 };
 
 /* The fp32 dQ of a query tile lives in global memory in the consumers' register order, not
  * row by row: element e of accumulator n of thread x (of WarpgroupThreads) of consumer c is
- * float c Rows D / 2 + n 4 WarpgroupThreads + 4 x + e of the tile's Rows D floats (the
- * accumulators of queries 64 h on counted from n = h D / 16). A
- * warp's float4 stores into shared memory are then whole lines, with no bank conflict, and the
- * tile is one contiguous block that one bulk copy adds into global memory. convert_dq_tiles
- * puts the rows back in order. */
+ * float c Rows D / 2 + n 4 WarpgroupThreads + 4 x + e of the tile's Rows D floats. A warp's float4
+ * stores into shared memory are then whole lines, with no bank conflict, and the tile is one
+ * contiguous block that one bulk copy adds into global memory. convert_dq_tiles puts the rows back
+ * in order. */
 template <int N_ACCS>
 __device__ void store_dq_part(const float (*dq)[4], float *part) {
   int x = threadIdx.x % WarpgroupThreads;
@@ -100,11 +100,13 @@ __global__ void __launch_bounds__(HbThreads, 1)
                            T *__restrict__ dv, float *__restrict__ dq_accum, int *dq_turns, int nq,
                            int nkv, int kv_heads, int group, float scale, int causal) {
   using L = HbLayout<D, T>;
-  constexpr int HbRows = L::Rows;
+  constexpr int HbRows = L::Rows, HbStages = L::Stages;
+  /* Aligned by an offset from the shared array itself, as 10's forward is, so that the
+   * compiler still knows every pointer below as shared memory (LDS and STS, not generic
+   * loads and stores). */
   extern __shared__ __align__(16) unsigned char hb_smem_raw[];
-  unsigned char *smem = reinterpret_cast<unsigned char *>(
-      (reinterpret_cast<uintptr_t>(hb_smem_raw) + AtomAlignment - 1) / AtomAlignment *
-      AtomAlignment);
+  unsigned char *smem =
+      hb_smem_raw + (AtomAlignment - shared_address(hb_smem_raw) % AtomAlignment) % AtomAlignment;
   T *Ks = reinterpret_cast<T *>(smem + L::k), *Vs = reinterpret_cast<T *>(smem + L::v);
   T *Qs = reinterpret_cast<T *>(smem + L::q), *dOs = reinterpret_cast<T *>(smem + L::d_o);
   T *dSs = reinterpret_cast<T *>(smem + L::ds);
@@ -127,7 +129,9 @@ __global__ void __launch_bounds__(HbThreads, 1)
    * so that they add into the same dQ tiles. */
   int m_tiles = (nq + HbRows - 1) / HbRows, first = causal ? max(0, j0 - offset) / HbRows : 0;
   int head_tiles = max(0, m_tiles - first), tiles = group * head_tiles;
-  int wg = threadIdx.x / WarpgroupThreads;
+  /* The same in every lane; read from lane 0 so that the compiler knows it too and keeps the
+   * tile addresses and wgmma descriptors made from it in uniform registers. */
+  const int wg = __shfl_sync(~0u, threadIdx.x / WarpgroupThreads, 0);
 
   if (threadIdx.x == 0) {
     mbarrier_init(kv_full, 2); /* K's and V's expect_bytes */
@@ -221,16 +225,17 @@ __global__ void __launch_bounds__(HbThreads, 1)
      * the buffer this one writes next, and it finished that before arriving here.) */
     asm volatile("bar.sync %0, %1;" ::"n"(ConsumersBarrier), "n"(HbConsumers * WarpgroupThreads)
                  : "memory");
-    float dq[HbRows / DsBoxRows][D / 2 / MmaN][4];
+    float dq[dq_cols(D) / MmaN][4];
     wgmma_fence(); /* the last tile's reads of dq come before this product overwrites it */
-    issue_dq<D, T>(dSt, Ks, c * D / 2, dq);
+    issue_dq<D, T>(dSt, Ks, c, dq);
     wgmma_commit();
-    wgmma_wait<0>();
-    settle<D / 2 * 2>(&dk_acc[0][0]), settle<D / 2 * 2>(&dv_acc[0][0]),
-        settle<HbRows * D / 256>(&dq[0][0][0]);
+    wgmma_wait<1>(); /* dV and dK are done: dQ reads neither Q nor dO */
     /* WAR: the thread is done with this stage's Q, dO, LSE and D */
     mbarrier_arrive(&empty[s]);
-    store_dq_part<HbRows / DsBoxRows * D / 2 / MmaN>(dq[0], dq_part);
+    wgmma_wait<0>();
+    settle<D / MmaN * 4>(&dk_acc[0][0]), settle<D / MmaN * 4>(&dv_acc[0][0]),
+        settle<dq_cols(D) / 2>(&dq[0][0]);
+    store_dq_part<dq_cols(D) / MmaN>(dq, dq_part);
     fence_async_shared(); /* the part's stores, before the copy engine reads them */
     /* RAW: the whole part is in shared memory before one thread hands it to the copy engine */
     asm volatile("bar.sync %0, %1;" ::"r"(WarpgroupBarrier + c), "n"(WarpgroupThreads) : "memory");
@@ -262,12 +267,11 @@ __global__ void convert_dq_tiles(const float *dq_accum, const float *ds_stats, T
   long tile = at / (HbRows * D);
   int in_tile = (int)(at % (HbRows * D)), c = in_tile / PartFloats;
   int n = in_tile % PartFloats / (4 * WarpgroupThreads), x = in_tile % (4 * WarpgroupThreads) / 4;
-  int h = n / (D / 2 / MmaN); /* the accumulators of queries 64 h on */
-  n %= D / 2 / MmaN;
+  int box = dq_split_by_box(D) ? c : 0, c0 = dq_split_by_box(D) ? 0 : c * dq_cols(D);
   int m_tiles = (nq + HbRows - 1) / HbRows;
   long head = tile / m_tiles;
-  int r = (int)(tile % m_tiles) * HbRows + h * DsBoxRows + x / 32 * MmaM + x % 32 / Quad;
-  int col = c * D / 2 + n * MmaN + 2 * (x % Quad);
+  int r = (int)(tile % m_tiles) * HbRows + box * DsBoxRows + x / 32 * MmaM + x % 32 / Quad;
+  int col = c0 + n * MmaN + 2 * (x % Quad);
   float4 v = *reinterpret_cast<const float4 *>(dq_accum + at);
   float f = scale / ds_scale(ds_stats);
   if (r < nq)

@@ -17,8 +17,20 @@ constexpr int HbConsumers = 2, HbKeys = HbConsumers * WgmmaM;
 __host__ __device__ constexpr int hb_rows(int d) { return d > 64 ? 64 : 128; }
 /* dS^T is stored in boxes of 64 queries, one 128-byte swizzled row a key. */
 constexpr int DsBoxRows = 64;
-/* Query tiles in flight: 2, so that the copy of tile t + 1 runs while tile t is multiplied. */
-constexpr int HbStages = 2;
+/* A consumer's share of dQ = dS K: one box of 64 queries by dq_cols(d) columns, one SS product
+ * of N = 64 a k-step. At d = 128 (a tile is one box) the consumers split d; at d = 64 (two
+ * boxes) they split the queries, so that no product is N = 32, which would read as many bytes
+ * of A from shared memory for half the work. */
+__host__ __device__ constexpr int dq_cols(int d) {
+  return d * (hb_rows(d) / DsBoxRows) / HbConsumers;
+}
+__host__ __device__ constexpr bool dq_split_by_box(int d) {
+  return hb_rows(d) / DsBoxRows == HbConsumers;
+}
+/* Query tiles in flight: the copies of the next tiles run while tile t is multiplied. At
+ * d = 128 three stages fit in 227 KiB and hide more of the copies' latency than two; at d = 64
+ * a stage is twice the bytes (128 rows), and two is what fits. */
+__host__ __device__ constexpr int hb_stages(int d) { return d > 64 ? 3 : 2; }
 /* dS^T buffers: 2, so that a warpgroup writes tile t + 1's while the other still reads tile
  * t's for dQ; the consumers then meet once a tile, not twice. */
 constexpr int HbDsBuffers = 2;
@@ -30,7 +42,7 @@ constexpr int CopyWarp = 0, RowStatsWarp = 1;
 
 /* wgmma m64nNk16 with both operands in shared memory and their transpose bits: C (64 x N,
  * fp32) += A (64 x 16) B (16 x N). Used for S^T and dP^T (N = HbRows, K-major operands) and for
- * dQ (N = D / 2, both operands MN-major, read transposed). */
+ * dQ (N = dq_cols(D), both operands MN-major, read transposed). */
 #define HB_SS(TYPE, N, REGS, ACC, TA, TB) \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" ACC_N(N) ", 0;\n"                   \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " {" REGS \
@@ -40,15 +52,12 @@ constexpr int CopyWarp = 0, RowStatsWarp = 1;
 #define ACC_N(N) ACC_N_##N
 #define ACC_N_128 "66"
 #define ACC_N_64 "34"
-#define ACC_N_32 "18"
 #define DESC_A(N) DESC_A_##N
 #define DESC_A_128 "64"
 #define DESC_A_64 "32"
-#define DESC_A_32 "16"
 #define DESC_B(N) DESC_B_##N
 #define DESC_B_128 "65"
 #define DESC_B_64 "33"
-#define DESC_B_32 "17"
 template <int N, int TRANS, typename T>
 __device__ void wgmma_ss(float *d, uint64_t a, uint64_t b, int accumulate) {
   constexpr bool half = std::is_same_v<T, __half>;
@@ -58,11 +67,14 @@ __device__ void wgmma_ss(float *d, uint64_t a, uint64_t b, int accumulate) {
   if constexpr (N == 64 && !TRANS && !half) HB_SS("bf16", 64, WG_REGS32, WG_ACC32, 0, 0);
   if constexpr (N == 64 && TRANS && half) HB_SS("f16", 64, WG_REGS32, WG_ACC32, 1, 1);
   if constexpr (N == 64 && TRANS && !half) HB_SS("bf16", 64, WG_REGS32, WG_ACC32, 1, 1);
-  if constexpr (N == 32 && TRANS && half) HB_SS("f16", 32, WG_REGS16, WG_ACC16, 1, 1);
-  if constexpr (N == 32 && TRANS && !half) HB_SS("bf16", 32, WG_REGS16, WG_ACC16, 1, 1);
-  static_assert(N == 128 ? !TRANS : N == 64 || (N == 32 && TRANS),
-                "the shapes this backward issues");
+  static_assert(N == 128 ? !TRANS : N == 64, "the shapes this backward issues");
 }
+
+/* A descriptor moved on by `bytes` in the same shared memory: its start address field (bits
+ * 0-13, the address / 16) grows by bytes / 16, and never carries, for the block's shared
+ * memory ends below 256 KiB. One descriptor an operand a product, then a constant added per
+ * k-step: the issuing warps spend an instruction, not a dozen, between two wgmma. */
+__device__ uint64_t advance(uint64_t desc, unsigned bytes) { return desc + (bytes >> 4); }
 
 /* S^T (or dP^T) = A B^T for one query tile: A the warpgroup's 64 keys of K (or V), B the
  * tile's Rows rows of Q (or dO), both K-major (d along the rows), one wgmma a k-step of 16
@@ -70,12 +82,13 @@ __device__ void wgmma_ss(float *d, uint64_t a, uint64_t b, int accumulate) {
 template <int D, typename T>
 __device__ void issue_scores(const T *A, const T *B, float (*s)[4]) {
   constexpr int Cols = box_cols<D, T>(), Atom = 8 * Cols * sizeof(T), HbRows = hb_rows(D);
+  const uint64_t a0 = operand_descriptor<Cols * sizeof(T)>(A, 16, Atom);
+  const uint64_t b0 = operand_descriptor<Cols * sizeof(T)>(B, 16, Atom);
 #pragma unroll
   for (int kk = 0; kk < D / MmaK; kk++) {
     const int box = kk * MmaK / Cols, col = kk * MmaK % Cols;
-    uint64_t a = operand_descriptor<Cols * sizeof(T)>(A + box * HbKeys * Cols + col, 16, Atom);
-    uint64_t b = operand_descriptor<Cols * sizeof(T)>(B + box * HbRows * Cols + col, 16, Atom);
-    wgmma_ss<HbRows, 0, T>(&s[0][0], a, b, kk > 0);
+    wgmma_ss<HbRows, 0, T>(&s[0][0], advance(a0, (box * HbKeys * Cols + col) * sizeof(T)),
+                           advance(b0, (box * HbRows * Cols + col) * sizeof(T)), kk > 0);
   }
 }
 
@@ -84,31 +97,28 @@ __device__ void issue_scores(const T *A, const T *B, float (*s)[4]) {
 template <int D, typename T>
 __device__ void issue_update(const unsigned (*a)[4], const T *B, float (*acc)[4]) {
   constexpr int Cols = box_cols<D, T>(), Atom = 8 * Cols * sizeof(T), HbRows = hb_rows(D);
+  const uint64_t b0 = operand_descriptor<Cols * sizeof(T)>(B, HbRows * Cols * sizeof(T), Atom);
 #pragma unroll
   for (int kk = 0; kk < HbRows / MmaK; kk++)
-    wgmma_pv<D, T>(&acc[0][0], a[kk],
-                   operand_descriptor<Cols * sizeof(T)>(B + kk * MmaK * Cols,
-                                                        HbRows * Cols * sizeof(T), Atom));
+    wgmma_pv<D, T>(&acc[0][0], a[kk], advance(b0, kk * MmaK * Cols * sizeof(T)));
 }
 
-/* dQ (the tile's queries x this warpgroup's D / 2 columns) = dS K, 64 queries (one box of
- * dS^T) a wgmma: A = dS, read transposed from dS^T (keys down, queries along a 128-byte row),
- * B = K's columns [c0, c0 + D / 2), read transposed (keys down): HbKeys / 16 k-steps over all
- * the block's keys. */
+/* Consumer c's share of dQ = dS K (see dq_cols): A = dS, its box of 64 queries read transposed
+ * from dS^T (keys down, queries along a 128-byte row), B = K's dq_cols(D) columns from c0, read
+ * transposed (keys down): HbKeys / 16 k-steps over all the block's keys. */
 template <int D, typename T>
-__device__ void issue_dq(const T *dSt, const T *K, int c0, float (*dq)[D / 2 / MmaN][4]) {
-  constexpr int Cols = box_cols<D, T>(), Atom = 8 * Cols * sizeof(T);
-  const int box = c0 / Cols, col = c0 % Cols;
+__device__ void issue_dq(const T *dSt, const T *K, int c, float (*dq)[4]) {
+  constexpr int Cols = box_cols<D, T>(), Atom = 8 * Cols * sizeof(T), N = dq_cols(D);
+  static_assert(dq_split_by_box(D) || hb_rows(D) == DsBoxRows, "one box a consumer");
+  const int box = dq_split_by_box(D) ? c : 0, c0 = dq_split_by_box(D) ? 0 : c * N;
+  const uint64_t a0 =
+      operand_descriptor<128>(dSt + box * HbKeys * DsBoxRows, HbKeys * 128, 8 * 128);
+  const uint64_t b0 = operand_descriptor<Cols * sizeof(T)>(
+      K + c0 / Cols * HbKeys * Cols + c0 % Cols, HbKeys * Cols * sizeof(T), Atom);
 #pragma unroll
-  for (int h = 0; h < hb_rows(D) / DsBoxRows; h++)
-#pragma unroll
-    for (int kk = 0; kk < HbKeys / MmaK; kk++) {
-      uint64_t a = operand_descriptor<128>(dSt + (h * HbKeys + kk * MmaK) * DsBoxRows, HbKeys * 128,
-                                           8 * 128);
-      uint64_t b = operand_descriptor<Cols * sizeof(T)>(
-          K + box * HbKeys * Cols + kk * MmaK * Cols + col, HbKeys * Cols * sizeof(T), Atom);
-      wgmma_ss<D / 2, 1, T>(&dq[h][0][0], a, b, kk > 0);
-    }
+  for (int kk = 0; kk < HbKeys / MmaK; kk++)
+    wgmma_ss<N, 1, T>(&dq[0][0], advance(a0, kk * MmaK * DsBoxRows * sizeof(T)),
+                      advance(b0, kk * MmaK * Cols * sizeof(T)), kk > 0);
 }
 
 /* The lane's elements of a 64 x 64 accumulator tile: row (key) w 16 + g + 8 (e / 2) of the
