@@ -3,8 +3,8 @@
 CUDA GPU; without them it says so and exits 0, so the benchmark command still works).
 
 1. Timing: each SDPA backend forced in turn (flash, cudnn, efficient, math) on the sweep of
-   docs/conventions.md section 5, forward and backward, fp16 (and fp32 for the backends that
-   have it, to compare with the fp32 stages). Same convention as the stages: CUDA events,
+   docs/conventions.md section 5, forward and backward, fp16 (bf16 too for flash and cuDNN, and
+   fp32 for the backends that have it, to compare with the fp32 stages). Same convention as the stages: CUDA events,
    5 warm-ups, median of 20 repeats, L2 flushed before each. Rows go to <out>/gpu.tsv with
    stage "sdpa_<backend>", in the stages' TSV format, so the plots draw them beside.
 2. Checking: the half-precision stages (07 on) run a few shapes with --save; this script
@@ -80,7 +80,7 @@ def bench(torch, out_dir, budget, names, seqs):
     tsv = os.path.join(out_dir, "gpu.tsv")
     new = not os.path.exists(tsv)
     cases = [(name, dtype) for name in names for dtype in ("fp16", "bf16", "fp32")
-             if dtype == "fp16" or (dtype == "bf16" and name == "flash") or
+             if dtype == "fp16" or (dtype == "bf16" and name in ("flash", "cudnn")) or
              (dtype == "fp32" and name in ("efficient", "math"))]
     todo = [(name, dtype, d, causal, n) for name, dtype in cases for d in (64, 128)
             for causal in (False, True) for n in seqs]

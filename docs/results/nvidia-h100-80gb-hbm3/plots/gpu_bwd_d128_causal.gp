@@ -16,7 +16,7 @@ plot 'gpu_bwd_d128_causal_data/s0.dat' using 1:2 with linespoints lw 2 pt 7 lc r
      'gpu_bwd_d128_causal_data/s6.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#a6761d' title '09_swizzle_pipeline fp16' noenhanced, \
      'gpu_bwd_d128_causal_data/s7.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#666666' title '10_hopper_wgmma bf16' noenhanced, \
      'gpu_bwd_d128_causal_data/s8.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#1f78b4' title '10_hopper_wgmma fp16' noenhanced, \
-     'gpu_bwd_d128_causal_data/s9.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#b2182b' title 'sdpa_cudnn fp16' noenhanced, \
-     'gpu_bwd_d128_causal_data/s10.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#000000' title 'sdpa_efficient fp16' noenhanced, \
-     'gpu_bwd_d128_causal_data/s11.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#8c564b' title 'sdpa_efficient fp32' noenhanced, \
-     'gpu_bwd_d128_causal_data/s12.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#17becf' title 'sdpa_flash fp16' noenhanced
+     'gpu_bwd_d128_causal_data/s9.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#b2182b' title 'sdpa_cudnn fp16' noenhanced, \
+     'gpu_bwd_d128_causal_data/s10.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#000000' title 'sdpa_efficient fp16' noenhanced, \
+     'gpu_bwd_d128_causal_data/s11.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#8c564b' title 'sdpa_efficient fp32' noenhanced, \
+     'gpu_bwd_d128_causal_data/s12.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#17becf' title 'sdpa_flash fp16' noenhanced

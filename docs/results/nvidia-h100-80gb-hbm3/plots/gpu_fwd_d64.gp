@@ -20,7 +20,7 @@ plot 'gpu_fwd_d64_data/s0.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#1b9
      'gpu_fwd_d64_data/s10.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#000000' title '10_hopper_wgmma bf16' noenhanced, \
      'gpu_fwd_d64_data/s11.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#8c564b' title '10_hopper_wgmma fp16' noenhanced, \
      'gpu_fwd_d64_data/s12.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#17becf' title 'cublas_baseline' noenhanced, \
-     'gpu_fwd_d64_data/s13.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#bcbd22' title 'sdpa_cudnn fp16' noenhanced, \
-     'gpu_fwd_d64_data/s14.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#1b9e77' title 'sdpa_efficient fp16' noenhanced, \
-     'gpu_fwd_d64_data/s15.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#d95f02' title 'sdpa_efficient fp32' noenhanced, \
-     'gpu_fwd_d64_data/s16.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#7570b3' title 'sdpa_flash fp16' noenhanced
+     'gpu_fwd_d64_data/s13.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#bcbd22' title 'sdpa_cudnn fp16' noenhanced, \
+     'gpu_fwd_d64_data/s14.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#1b9e77' title 'sdpa_efficient fp16' noenhanced, \
+     'gpu_fwd_d64_data/s15.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#d95f02' title 'sdpa_efficient fp32' noenhanced, \
+     'gpu_fwd_d64_data/s16.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#7570b3' title 'sdpa_flash fp16' noenhanced

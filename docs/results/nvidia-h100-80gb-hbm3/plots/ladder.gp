@@ -7,7 +7,7 @@ set grid ytics
 set boxwidth 0.6
 set xtics rotate by -30 noenhanced
 set key top left vertical maxrows 3
-set yrange [0.001:30000]
+set yrange [0.0001:10000]
 set xrange [-0.6:15.6]
 plot 'ladder_data/bars.dat' using 1:2:xtic(3) with boxes fs solid 0.7 lc rgb '#1b9e77' notitle, \
      'ladder_data/bars.dat' using 1:($2*1.15):(sprintf('%.3g', $2)) with labels notitle, \

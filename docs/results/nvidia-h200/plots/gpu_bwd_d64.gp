@@ -18,7 +18,9 @@ plot 'gpu_bwd_d64_data/s0.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#1b9
      'gpu_bwd_d64_data/s8.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#1f78b4' title '10_hopper_wgmma fp16' noenhanced, \
      'gpu_bwd_d64_data/s9.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#b2182b' title '11_split_kv_decode bf16' noenhanced, \
      'gpu_bwd_d64_data/s10.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#000000' title '11_split_kv_decode fp16' noenhanced, \
-     'gpu_bwd_d64_data/s11.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#8c564b' title 'sdpa_cudnn fp16' noenhanced, \
-     'gpu_bwd_d64_data/s12.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#17becf' title 'sdpa_efficient fp16' noenhanced, \
-     'gpu_bwd_d64_data/s13.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#bcbd22' title 'sdpa_efficient fp32' noenhanced, \
-     'gpu_bwd_d64_data/s14.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#1b9e77' title 'sdpa_flash fp16' noenhanced
+     'gpu_bwd_d64_data/s11.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#8c564b' title '12_hopper_backward bf16' noenhanced, \
+     'gpu_bwd_d64_data/s12.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#17becf' title '12_hopper_backward fp16' noenhanced, \
+     'gpu_bwd_d64_data/s13.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#bcbd22' title 'sdpa_cudnn fp16' noenhanced, \
+     'gpu_bwd_d64_data/s14.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#1b9e77' title 'sdpa_efficient fp16' noenhanced, \
+     'gpu_bwd_d64_data/s15.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#d95f02' title 'sdpa_efficient fp32' noenhanced, \
+     'gpu_bwd_d64_data/s16.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#7570b3' title 'sdpa_flash fp16' noenhanced

@@ -20,8 +20,10 @@ plot 'gpu_fwd_d128_data/s0.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#1b
      'gpu_fwd_d128_data/s10.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#000000' title '10_hopper_wgmma bf16' noenhanced, \
      'gpu_fwd_d128_data/s11.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#8c564b' title '10_hopper_wgmma fp16' noenhanced, \
      'gpu_fwd_d128_data/s12.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#17becf' title '11_split_kv_decode fp16' noenhanced, \
-     'gpu_fwd_d128_data/s13.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#bcbd22' title 'cublas_baseline' noenhanced, \
-     'gpu_fwd_d128_data/s14.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#1b9e77' title 'sdpa_cudnn fp16' noenhanced, \
-     'gpu_fwd_d128_data/s15.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#d95f02' title 'sdpa_efficient fp16' noenhanced, \
-     'gpu_fwd_d128_data/s16.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#7570b3' title 'sdpa_efficient fp32' noenhanced, \
-     'gpu_fwd_d128_data/s17.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#e7298a' title 'sdpa_flash fp16' noenhanced
+     'gpu_fwd_d128_data/s13.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#bcbd22' title '12_hopper_backward bf16' noenhanced, \
+     'gpu_fwd_d128_data/s14.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#1b9e77' title '12_hopper_backward fp16' noenhanced, \
+     'gpu_fwd_d128_data/s15.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#d95f02' title 'cublas_baseline' noenhanced, \
+     'gpu_fwd_d128_data/s16.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#7570b3' title 'sdpa_cudnn fp16' noenhanced, \
+     'gpu_fwd_d128_data/s17.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#e7298a' title 'sdpa_efficient fp16' noenhanced, \
+     'gpu_fwd_d128_data/s18.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#66a61e' title 'sdpa_efficient fp32' noenhanced, \
+     'gpu_fwd_d128_data/s19.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#e6ab02' title 'sdpa_flash fp16' noenhanced
