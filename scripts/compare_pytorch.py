@@ -3,10 +3,11 @@
 CUDA GPU; without them it says so and exits 0, so the benchmark command still works).
 
 1. Timing: each SDPA backend forced in turn (flash, cudnn, efficient, math) on the sweep of
-   docs/conventions.md section 5, forward and backward, fp16 (bf16 too for flash and cuDNN, and
-   fp32 for the backends that have it, to compare with the fp32 stages). Same convention as the stages: CUDA events,
-   5 warm-ups, median of 20 repeats, L2 flushed before each. Rows go to <out>/gpu.tsv with
-   stage "sdpa_<backend>", in the stages' TSV format, so the plots draw them beside.
+   docs/conventions.md section 5, forward and backward, fp16 (bf16 too for flash and cuDNN,
+   and fp32 for the backends that have it, to compare with the fp32 stages). Same convention
+   as the stages: CUDA events, 5 warm-ups, median of 20 repeats, L2 flushed before each.
+   Rows go to <out>/gpu.tsv with stage "sdpa_<backend>", in the stages' TSV format, so the
+   plots draw them beside.
 2. Checking: the half-precision stages (07 on) run a few shapes with --save; this script
    recomputes O, LSE, dQ, dK, dV in float64 with PyTorch and compares each stage's error with
    the error of PyTorch's own fp16/bf16 attention on the same inputs (FlashAttention's rule:
