@@ -131,16 +131,33 @@ __device__ void probabilities_t(float (*s)[4], const float *lse_s, float scale_l
                                 int nq, int nkv, int offset, bool causal, bool masked,
                                 unsigned (*p_frag)[4]) {
   int g = threadIdx.x % 32 / Quad, tq = threadIdx.x % Quad;
+  /* Two copies of the loop, chosen once a tile (masked is the same in the whole warp): inside
+   * one loop the compiler guards each exponential with its own branch and reconvergence
+   * point, a cost the unmasked tiles, nearly all of them, need not pay. */
+  if (!masked) {
+#pragma unroll
+    for (int n = 0; n < ROWS / MmaN; n++) {
+      float2 l2 = *reinterpret_cast<const float2 *>(lse_s + n * MmaN + 2 * tq);
+#pragma unroll
+      for (int e = 0; e < 4; e++)
+        s[n][e] = fminf(1.f, exp2_approx(fmaf(s[n][e], scale_log2, e % 2 ? -l2.y : -l2.x)));
+    }
+  } else {
+#pragma unroll
+    for (int n = 0; n < ROWS / MmaN; n++) {
+      float2 l2 = *reinterpret_cast<const float2 *>(lse_s + n * MmaN + 2 * tq);
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        int i = i0 + n * MmaN + 2 * tq + e % 2, j = jw + g + 8 * (e / 2);
+        bool visible = i < nq && j < nkv && (!causal || j <= i + offset);
+        s[n][e] = visible
+                      ? fminf(1.f, exp2_approx(fmaf(s[n][e], scale_log2, e % 2 ? -l2.y : -l2.x)))
+                      : 0.f;
+      }
+    }
+  }
 #pragma unroll
   for (int n = 0; n < ROWS / MmaN; n++) {
-    float2 l2 = *reinterpret_cast<const float2 *>(lse_s + n * MmaN + 2 * tq);
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-      int i = i0 + n * MmaN + 2 * tq + e % 2, j = jw + g + 8 * (e / 2);
-      bool visible = !masked || (i < nq && j < nkv && (!causal || j <= i + offset));
-      s[n][e] =
-          visible ? fminf(1.f, exp2_approx(fmaf(s[n][e], scale_log2, e % 2 ? -l2.y : -l2.x))) : 0.f;
-    }
     p_frag[n / 2][2 * (n % 2)] = pack2(s[n][0], s[n][1], T());
     p_frag[n / 2][2 * (n % 2) + 1] = pack2(s[n][2], s[n][3], T());
   }
