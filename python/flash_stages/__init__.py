@@ -26,8 +26,9 @@ PyTorch's SDPA instead, with one warning per reason.
 
 Streams: the kernels run on PyTorch's current stream (the harness's attn_stream(), which the
 library sets around each call; the stage programs leave it at the legacy default stream).
-CUDA graphs are not tried: the operators are tagged cudagraph_unsafe, since a stage's host
-code (shared-memory opt-in, the dQ buffer's memset) was not written with capture in mind.
+CUDA graphs: a call can be captured (torch.cuda.graph, torch.compile's reduce-overhead mode).
+Its host code makes no allocation outside PyTorch's caching allocator (the workspace is a
+torch tensor), no synchronisation, and only asynchronous memsets on the current stream.
 """
 import contextlib
 import math
@@ -125,9 +126,19 @@ def _unknown_stage(name):
     return f"no stage named {name!r}; loaded: {', '.join(stages())}"
 
 
+_CAPABILITY = {}  # device index: (major, minor), asked once
+
+
+def _capability(device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index]
+
+
 def _unsupported(info, q, k, v, is_causal, enable_gqa, needs_grad):
     """Why `info`'s stage cannot compute this call, or None."""
-    have = torch.cuda.get_device_capability(q.device)
+    have = _capability(q.device)
     if have < _MIN_CAPABILITY:
         return (f"{info.name} needs compute capability {_MIN_CAPABILITY[0]}.{_MIN_CAPABILITY[1]} "
                 f"or later; this GPU is {have[0]}.{have[1]}")
@@ -266,7 +277,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if q.numel() == 0 or k.numel() == 0:
         # Nothing for a kernel to do; SDPA's answer for empty keys is an empty sum: zeros.
         return torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
-    o, _ = _forward_op(q, k, v, stage, bool(is_causal), scale)
+    # Eager calls take the autograd.Function, which costs a few microseconds less of host
+    # time a call than the custom operator's dispatch; torch.compile traces the operator.
+    if torch.compiler.is_compiling():
+        o, _ = _forward_op(q, k, v, stage, bool(is_causal), scale)
+    else:
+        o, _ = _Attention.apply(q, k, v, stage, bool(is_causal), scale)
     return o
 
 
@@ -294,8 +310,11 @@ def _on_device(device):
     cannot run: tiles past its shared memory) and 77 (a stage built for another GPU) raise
     FlashStagesError, 1 (a CUDA error) RuntimeError."""
     try:
-        with torch.cuda.device(device):
+        if device.index is None or device.index == torch.cuda.current_device():
             yield torch.cuda.current_stream(device).cuda_stream
+        else:
+            with torch.cuda.device(device):
+                yield torch.cuda.current_stream(device).cuda_stream
     except _library.StageLibraryError as e:
         raise (FlashStagesError if e.code in (2, 77) else RuntimeError)(str(e)) from None
 
@@ -304,11 +323,24 @@ def _on_device(device):
 _DECODE_TILE_KEYS = 64
 
 
+_ENVIRONMENT = ("ATTN_DETERMINISTIC", "ATTN_SHARED_MEMORY_LIMIT", "ATTN_SHARED_MEMORY_PER_SM",
+                "ATTN_DECODE_BATCH_INVARIANT", "ATTN_DECODE_CHUNK_KEYS")
+_checked_environment = None  # the values last found good
+
+
+def _environment():
+    return tuple(os.environ.get(name) for name in _ENVIRONMENT)
+
+
 def _check_environment():
     """The harness's variables (docs/conventions.md section 6), before any library call, by
     the rules the programs apply where they read them: a bad value is FlashStagesError naming
     the variable, whichever stage is called (the library would say so only for a stage
-    that reads it)."""
+    that reads it). Values already found good are not parsed again."""
+    global _checked_environment
+    values = _environment()
+    if values == _checked_environment:
+        return
     def whole(name, low, high, step=1):  # strtoull/strtol's decimal forms: spaces, a + sign
         text = os.environ.get(name, "")
         digits = text.lstrip(" \t\n\v\f\r").removeprefix("+")
@@ -326,17 +358,29 @@ def _check_environment():
     if inv not in ("", "0", "1"):
         raise FlashStagesError(f"ATTN_DECODE_BATCH_INVARIANT must be 0 or 1, got {inv!r}")
     whole("ATTN_DECODE_CHUNK_KEYS", 1, _MAX_DIM, _DECODE_TILE_KEYS)
+    _checked_environment = values
 
 
-# Tagged only where this PyTorch has the tag (and so custom_op's `tags`, which came first).
-_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
-_OP_OPTIONS = {"tags": _TAGS} if _TAGS else {}
+# Workspace bytes by (stage, direction, problem, device, environment): the libraries compute
+# them from the problem, the device and the variables above (stage 11's decode plan), so a
+# repeated shape asks once.
+_WORKSPACE = {}
 
 
-@torch.library.custom_op("flash_stages::forward", mutates_args=(), device_types="cuda",
-                         **_OP_OPTIONS)
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage: str, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _workspace_bytes(lib, direction, p, device):
+    key = (lib.name, direction, p.batch, p.heads, p.seq_q, p.seq_kv, p.head_dim, p.causal,
+           p.dtype, p.heads_kv, device.index, _checked_environment)
+    if key not in _WORKSPACE:
+        fn = lib.forward_workspace if direction == "forward" else lib.backward_workspace
+        _WORKSPACE[key] = fn(p)
+    return _WORKSPACE[key]
+
+
+_OP_OPTIONS = {}
+
+
+def _run_forward(q, k, v, stage, causal, scale):
+    """O and LSE of one call: the body of the forward operator and of _Attention."""
     _check_environment()  # before forward_workspace, which reads them at stage 11's decode
     lib = _LIBS[stage]
     q, k, v = (_in_kernel_layout(t) for t in (q, k, v))
@@ -344,7 +388,8 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage: str, c
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     p = _problem(q, k, causal, scale)
     with _on_device(q.device) as stream:
-        ws = torch.empty(lib.forward_workspace(p), dtype=torch.uint8, device=q.device)
+        ws = torch.empty(_workspace_bytes(lib, "forward", p, q.device), dtype=torch.uint8,
+                         device=q.device)
         bufs = _library.Buffers(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
                                 lse.data_ptr(), None, None, None, None,
                                 ws.data_ptr() if ws.numel() else None)
@@ -355,17 +400,21 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage: str, c
     return o, lse
 
 
+@torch.library.custom_op("flash_stages::forward", mutates_args=(), device_types="cuda",
+                         **_OP_OPTIONS)
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage: str, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run_forward(q, k, v, stage, causal, scale)
+
+
 @_forward_op.register_fake
 def _(q, k, v, stage, causal, scale):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
         q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("flash_stages::backward", mutates_args=(), device_types="cuda",
-                         **_OP_OPTIONS)
-def _backward_op(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 o: torch.Tensor, lse: torch.Tensor, stage: str, causal: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _run_backward(d_o, q, k, v, o, lse, stage, causal, scale):
+    """dQ, dK and dV of one call: the body of the backward operator and of _Attention."""
     _check_environment()
     lib = _LIBS[stage]
     d_o, q, k, v, o = (_in_kernel_layout(t) for t in (d_o, q, k, v, o))
@@ -375,7 +424,8 @@ def _backward_op(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     # ATTN_DETERMINISTIC=1 in the environment does, which is left as the caller set it.
     deterministic = torch.are_deterministic_algorithms_enabled()
     with _on_device(q.device) as stream:
-        ws = torch.empty(lib.backward_workspace(p), dtype=torch.uint8, device=q.device)
+        ws = torch.empty(_workspace_bytes(lib, "backward", p, q.device), dtype=torch.uint8,
+                         device=q.device)
         bufs = _library.Buffers(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
                                 lse.data_ptr(), d_o.data_ptr(), dq.data_ptr(), dk.data_ptr(),
                                 dv.data_ptr(), ws.data_ptr() if ws.numel() else None)
@@ -385,6 +435,14 @@ def _backward_op(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                          dk=dk.data_ptr(), dv=dv.data_ptr())
         lib.run_backward(p, bufs, stream, deterministic)
     return dq, dk, dv
+
+
+@torch.library.custom_op("flash_stages::backward", mutates_args=(), device_types="cuda",
+                         **_OP_OPTIONS)
+def _backward_op(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, lse: torch.Tensor, stage: str, causal: bool,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _run_backward(d_o, q, k, v, o, lse, stage, causal, scale)
 
 
 @_backward_op.register_fake
@@ -410,3 +468,22 @@ def _backward(ctx, d_o, d_lse):
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _Attention(torch.autograd.Function):
+    """The eager path: the same forward and backward as the operators, without their
+    dispatch (torch.compile traces the operators instead)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, stage, causal, scale):
+        o, lse = _run_forward(q, k, v, stage, causal, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.stage, ctx.causal, ctx.scale = stage, causal, scale
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, d_o, d_lse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _run_backward(d_o, q, k, v, o, lse, ctx.stage, ctx.causal, ctx.scale)
+        return dq, dk, dv, None, None, None
