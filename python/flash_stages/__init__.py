@@ -45,8 +45,8 @@ except ImportError as e:  # not a dependency pip installs: the user picks a CPU 
 
 from . import _library
 
-__all__ = ["scaled_dot_product_attention", "stages", "stage_info", "FlashStagesError",
-           "HALF_STAGES", "PREFERENCE"]
+__all__ = ["scaled_dot_product_attention", "flash_attn_func", "stages", "stage_info",
+           "FlashStagesError", "HALF_STAGES", "PREFERENCE"]
 
 # The order the default choice tries: the fastest stage first (docs/results), each only where
 # it supports the inputs. 12 is 10's forward with the Hopper backward (and the only
@@ -252,6 +252,22 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if not math.isfinite(scale):
         raise FlashStagesError(f"scale must be a finite number, got {scale}")
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    named = stage is not None
+    stage, why = _choose_stage(q, k, v, is_causal, enable_gqa, needs_grad, stage)
+    if why is not None:
+        if fallback:
+            return _fallback(q, k, v, is_causal, scale, enable_gqa, why)
+        raise FlashStagesError(why if named else f"no loaded stage computes this call: {why}")
+    if q.numel() == 0 or k.numel() == 0:
+        # Nothing for a kernel to do; SDPA's answer for empty keys is an empty sum: zeros.
+        return torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
+    o, _ = _attention(q, k, v, stage, bool(is_causal), scale, False)
+    return o
+
+
+def _choose_stage(q, k, v, is_causal, enable_gqa, needs_grad, stage):
+    """(the stage to run, None), or (None, why): why the named stage, or every stage of
+    PREFERENCE that loaded, cannot compute the call."""
     if stage is None:
         reasons = []
         for name in PREFERENCE:
@@ -262,28 +278,57 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                     break
                 reasons.append(why)
         if stage is None:
-            why = "; ".join(reasons) if reasons else _unknown_stage("(any)")
-            if fallback:
-                return _fallback(q, k, v, is_causal, scale, enable_gqa, why)
-            raise FlashStagesError(f"no loaded stage computes this call: {why}")
-    else:
-        if stage not in _INFO:
-            raise FlashStagesError(_unknown_stage(stage))
-        why = _unsupported(_INFO[stage], q, k, v, is_causal, enable_gqa, needs_grad)
-        if why is not None:
-            if fallback:
-                return _fallback(q, k, v, is_causal, scale, enable_gqa, why)
-            raise FlashStagesError(why)
-    if q.numel() == 0 or k.numel() == 0:
-        # Nothing for a kernel to do; SDPA's answer for empty keys is an empty sum: zeros.
-        return torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
-    # Eager calls take the autograd.Function, which costs a few microseconds less of host
-    # time a call than the custom operator's dispatch; torch.compile traces the operator.
+            return None, "; ".join(reasons) if reasons else _unknown_stage("(any)")
+        return stage, None
+    if stage not in _INFO:
+        raise FlashStagesError(_unknown_stage(stage))
+    why = _unsupported(_INFO[stage], q, k, v, is_causal, enable_gqa, needs_grad)
+    return (None, why) if why is not None else (stage, None)
+
+
+def _attention(q, k, v, stage, causal, scale, deterministic):
+    """O and LSE from the stage. Eager calls take the autograd.Function, which costs a few
+    microseconds less of host time a call than the custom operator's dispatch; torch.compile
+    traces the operator."""
     if torch.compiler.is_compiling():
-        o, _ = _forward_op(q, k, v, stage, bool(is_causal), scale)
-    else:
-        o, _ = _Attention.apply(q, k, v, stage, bool(is_causal), scale)
-    return o
+        return _forward_op(q, k, v, stage, causal, scale, deterministic)
+    return _Attention.apply(q, k, v, stage, causal, scale, deterministic)
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
+                    deterministic=False, stage=None):
+    """FlashAttention's call and argument names: q [B, S, H, d], k and v [B, S_k, Hkv, d]
+    (Hkv dividing H: grouped-query and multi-query attention as FlashAttention takes them),
+    CUDA tensors. Returns out [B, S, H, d] (a view of the kernel's [B, H, S, d] output) and,
+    with return_lse=True, also softmax_lse [B, H, S] (float32, natural log, -inf on rows that
+    see no key). causal is bottom-right aligned, as in FlashAttention 2.1 and later.
+    deterministic=True takes the stage's deterministic dQ path in this call's backward.
+    stage: as in scaled_dot_product_attention. The inputs are read through transposed views,
+    which the kernels' layout ([B, H, S, d]) copies once: strided kernels will remove it."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise FlashStagesError(f"{name} must be a 4-D tensor [B, S, H, d], got "
+                                   f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    why = _check_inputs(qh, kh, vh, True)
+    if why is not None:
+        raise FlashStagesError(why.replace("[B, H, N, d]", "[B, S, H, d]"))
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    if not math.isfinite(scale):
+        raise FlashStagesError(f"softmax_scale must be a finite number, got {scale}")
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    named = stage is not None
+    stage, why = _choose_stage(qh, kh, vh, causal, True, needs_grad, stage)
+    if why is not None:
+        raise FlashStagesError(why if named else f"no loaded stage computes this call: {why}")
+    if q.numel() == 0 or k.numel() == 0:  # as scaled_dot_product_attention: an empty sum
+        out = torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
+        lse = torch.full(qh.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
+    o, lse = _attention(qh, kh, vh, stage, bool(causal), scale, bool(deterministic))
+    out = o.transpose(1, 2)
+    return (out, lse) if return_lse else out
 
 
 # ---- the operators ---------------------------------------------------------------------
@@ -403,26 +448,27 @@ def _run_forward(q, k, v, stage, causal, scale):
 @torch.library.custom_op("flash_stages::forward", mutates_args=(), device_types="cuda",
                          **_OP_OPTIONS)
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage: str, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                scale: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return _run_forward(q, k, v, stage, causal, scale)
 
 
 @_forward_op.register_fake
-def _(q, k, v, stage, causal, scale):
+def _(q, k, v, stage, causal, scale, deterministic):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
         q.shape[:3], dtype=torch.float32)
 
 
-def _run_backward(d_o, q, k, v, o, lse, stage, causal, scale):
+def _run_backward(d_o, q, k, v, o, lse, stage, causal, scale, deterministic):
     """dQ, dK and dV of one call: the body of the backward operator and of _Attention."""
     _check_environment()
     lib = _LIBS[stage]
     d_o, q, k, v, o = (_in_kernel_layout(t) for t in (d_o, q, k, v, o))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     p = _problem(q, k, causal, scale)
-    # torch's deterministic mode asks the stage for its deterministic dQ path (09-12), as
-    # ATTN_DETERMINISTIC=1 in the environment does, which is left as the caller set it.
-    deterministic = torch.are_deterministic_algorithms_enabled()
+    # The call's deterministic=True or torch's deterministic mode asks the stage for its
+    # deterministic dQ path (09-12), as ATTN_DETERMINISTIC=1 in the environment does, which
+    # is left as the caller set it.
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     with _on_device(q.device) as stream:
         ws = torch.empty(_workspace_bytes(lib, "backward", p, q.device), dtype=torch.uint8,
                          device=q.device)
@@ -440,31 +486,32 @@ def _run_backward(d_o, q, k, v, o, lse, stage, causal, scale):
 @torch.library.custom_op("flash_stages::backward", mutates_args=(), device_types="cuda",
                          **_OP_OPTIONS)
 def _backward_op(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 o: torch.Tensor, lse: torch.Tensor, stage: str, causal: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _run_backward(d_o, q, k, v, o, lse, stage, causal, scale)
+                 o: torch.Tensor, lse: torch.Tensor, stage: str, causal: bool, scale: float,
+                 deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _run_backward(d_o, q, k, v, o, lse, stage, causal, scale, deterministic)
 
 
 @_backward_op.register_fake
-def _(d_o, q, k, v, o, lse, stage, causal, scale):
+def _(d_o, q, k, v, o, lse, stage, causal, scale, deterministic):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, stage, causal, scale = inputs
+    q, k, v, stage, causal, scale, deterministic = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.stage, ctx.causal, ctx.scale = stage, causal, scale
+    ctx.stage, ctx.causal, ctx.scale, ctx.deterministic = stage, causal, scale, deterministic
 
 
 def _backward(ctx, d_o, d_lse):
     q, k, v, o, lse = ctx.saved_tensors
     # LSE is an output only so that the backward can have it; SDPA returns no LSE, so
     # nothing downstream differentiates it (d_lse is None or zeros).
-    dq, dk, dv = _backward_op(d_o, q, k, v, o, lse, ctx.stage, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = _backward_op(d_o, q, k, v, o, lse, ctx.stage, ctx.causal, ctx.scale,
+                              ctx.deterministic)
+    return dq, dk, dv, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
@@ -475,15 +522,16 @@ class _Attention(torch.autograd.Function):
     dispatch (torch.compile traces the operators instead)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, stage, causal, scale):
+    def forward(ctx, q, k, v, stage, causal, scale, deterministic):
         o, lse = _run_forward(q, k, v, stage, causal, scale)
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.stage, ctx.causal, ctx.scale = stage, causal, scale
+        ctx.stage, ctx.causal, ctx.scale, ctx.deterministic = stage, causal, scale, deterministic
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, d_o, d_lse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _run_backward(d_o, q, k, v, o, lse, ctx.stage, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = _run_backward(d_o, q, k, v, o, lse, ctx.stage, ctx.causal, ctx.scale,
+                                   ctx.deterministic)
+        return dq, dk, dv, None, None, None, None

@@ -266,6 +266,54 @@ def test_torch_compile_traces_without_graph_breaks():
         assert torch.equal(eager, comp), f"{name} differs between eager and compiled"
 
 
+def test_flash_attn_func_is_sdpa_on_the_other_layout():
+    """flash_attn_func on [B, S, H, d] (GQA too) gives SDPA's entry's bits on the transposed
+    tensors, its LSE is the kernel's, and its gradients arrive in [B, S, H, d]."""
+    stage = fastest_half()
+    q, k, v, d_o = inputs((2, 4, 129, 257, 64, True), torch.float16)
+    want = fs.scaled_dot_product_attention(q, k, v, is_causal=True, stage=stage)
+    qs, ks, vs = (x.transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
+    out, lse = fs.flash_attn_func(qs, ks, vs, causal=True, return_lse=True, stage=stage)
+    assert out.shape == qs.shape and lse.shape == (2, 4, 129) and lse.dtype == torch.float32
+    assert torch.equal(out.transpose(1, 2), want)
+    dq, dk, dv = torch.autograd.grad(out, (qs, ks, vs), d_o.transpose(1, 2))
+    assert dq.shape == qs.shape and dk.shape == ks.shape and dv.shape == vs.shape
+    if "12_hopper_backward" in fs.stages() and stage == "12_hopper_backward":
+        qg = torch.randn(1, 64, 8, 64, device="cuda", dtype=torch.float16)
+        kg, vg = (torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16)
+                  for _ in range(2))
+        got = fs.flash_attn_func(qg, kg, vg, causal=True)
+        ref = fs.scaled_dot_product_attention(qg.transpose(1, 2), kg.transpose(1, 2),
+                                              vg.transpose(1, 2), is_causal=True,
+                                              enable_gqa=True)
+        assert torch.equal(got.transpose(1, 2), ref)
+
+
+def test_flash_attn_func_deterministic_per_call():
+    """deterministic=True gives the same dQ bits call after call, without torch's global
+    mode or the environment variable."""
+    stage = next((s for s in ATOMIC_DQ if s in fs.stages()), None)
+    if stage is None:
+        pytest.skip("no stage with a deterministic dQ path loaded")
+    q, k, v, d_o = inputs((2, 4, 300, 300, 64, True), torch.float16)
+    qs, ks, vs = (x.transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
+    grads = []
+    for _ in range(3):
+        out = fs.flash_attn_func(qs, ks, vs, causal=True, deterministic=True, stage=stage)
+        grads.append(torch.autograd.grad(out, (qs,), d_o.transpose(1, 2))[0])
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
+
+
+def test_flash_attn_func_errors_are_clear():
+    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(fs.FlashStagesError, match=r"\[B, S, H, d\]"):
+        fs.flash_attn_func(q[0], q, q)
+    with pytest.raises(fs.FlashStagesError, match="CUDA tensors"):
+        fs.flash_attn_func(q.cpu(), q, q)
+    with pytest.raises(fs.FlashStagesError, match="softmax_scale"):
+        fs.flash_attn_func(q, q, q, softmax_scale=float("inf"))
+
+
 def test_cuda_graph_replay_matches_eager():
     """Forward and backward captured in one CUDA graph replay to the eager call's bits (on the
     deterministic path, so that dQ's additions come in one order)."""
