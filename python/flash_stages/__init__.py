@@ -28,7 +28,9 @@ Streams: the kernels run on PyTorch's current stream (the harness's attn_stream(
 library sets around each call; the stage programs leave it at the legacy default stream).
 CUDA graphs: a call can be captured (torch.cuda.graph, torch.compile's reduce-overhead mode).
 Its host code makes no allocation outside PyTorch's caching allocator (the workspace is a
-torch tensor), no synchronisation, and only asynchronous memsets on the current stream.
+torch tensor), no synchronisation, and only asynchronous memsets on the current stream. A
+replay repeats the captured launches: the harness's variables (ATTN_DETERMINISTIC, ...) as
+they were at capture, and last_call is not updated.
 """
 import contextlib
 import math
@@ -295,24 +297,31 @@ def _attention(q, k, v, stage, causal, scale, deterministic):
     return _Attention.apply(q, k, v, stage, causal, scale, deterministic)
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
-                    deterministic=False, stage=None):
-    """FlashAttention's call and argument names: q [B, S, H, d], k and v [B, S_k, Hkv, d]
-    (Hkv dividing H: grouped-query and multi-query attention as FlashAttention takes them),
-    CUDA tensors. Returns out [B, S, H, d] (a view of the kernel's [B, H, S, d] output) and,
-    with return_lse=True, also softmax_lse [B, H, S] (float32, natural log, -inf on rows that
-    see no key). causal is bottom-right aligned, as in FlashAttention 2.1 and later.
-    deterministic=True takes the stage's deterministic dQ path in this call's backward.
-    stage: as in scaled_dot_product_attention. The inputs are read through transposed views,
-    which the kernels' layout ([B, H, S, d]) copies once: strided kernels will remove it."""
+def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
+                    return_lse=False, deterministic=False, stage=None):
+    """FlashAttention's call and argument names (keyword-only after v, so that a positional
+    dropout_p in FlashAttention's order cannot land in softmax_scale): q [B, S, H, d], k and
+    v [B, S_k, Hkv, d] (Hkv dividing H: grouped-query and multi-query attention as
+    FlashAttention takes them), CUDA tensors. Returns out [B, S, H, d], contiguous, and with
+    return_lse=True also softmax_lse [B, H, S] (float32, natural log, -inf on rows that see
+    no key; it carries no gradient). causal is bottom-right aligned, as in FlashAttention 2.1
+    and later. deterministic=True takes the stage's deterministic dQ path in this call's
+    backward. dropout_p must be 0. stage: as in scaled_dot_product_attention. Until the
+    kernels take row strides, the inputs are copied into their [B, H, S, d] layout (in the
+    forward, and again in the backward) and the output out of it."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise FlashStagesError(f"{name} must be a 4-D tensor [B, S, H, d], got "
                                    f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    if dropout_p != 0.0:
+        raise FlashStagesError("the stages have no dropout: dropout_p must be 0")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise FlashStagesError(f"q has {q.shape[2]} heads and k {k.shape[2]}: the query heads "
+                               "must be a multiple of the key/value heads")
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     why = _check_inputs(qh, kh, vh, True)
     if why is not None:
-        raise FlashStagesError(why.replace("[B, H, N, d]", "[B, S, H, d]"))
+        raise FlashStagesError(f"{why} (q, k, v given as [B, S, H, d], read as [B, H, S, d])")
     d = q.shape[-1]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale):
@@ -327,7 +336,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
         lse = torch.full(qh.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
     o, lse = _attention(qh, kh, vh, stage, bool(causal), scale, bool(deterministic))
-    out = o.transpose(1, 2)
+    out = o.transpose(1, 2).contiguous()
     return (out, lse) if return_lse else out
 
 
@@ -409,13 +418,15 @@ def _check_environment():
 # Workspace bytes by (stage, direction, problem, device, environment): the libraries compute
 # them from the problem, the device and the variables above (stage 11's decode plan), so a
 # repeated shape asks once.
-_WORKSPACE = {}
+_WORKSPACE, _WORKSPACE_ENTRIES = {}, 4096
 
 
 def _workspace_bytes(lib, direction, p, device):
     key = (lib.name, direction, p.batch, p.heads, p.seq_q, p.seq_kv, p.head_dim, p.causal,
            p.dtype, p.heads_kv, device.index, _checked_environment)
     if key not in _WORKSPACE:
+        if len(_WORKSPACE) >= _WORKSPACE_ENTRIES:  # a decode loop's growing caches: start over
+            _WORKSPACE.clear()
         fn = lib.forward_workspace if direction == "forward" else lib.backward_workspace
         _WORKSPACE[key] = fn(p)
     return _WORKSPACE[key]
@@ -503,9 +514,13 @@ def _setup_context(ctx, inputs, output):
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.stage, ctx.causal, ctx.scale, ctx.deterministic = stage, causal, scale, deterministic
+    ctx.mark_non_differentiable(lse)  # the backward has no term for a gradient of LSE
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, d_o, d_lse):
+    if d_o is None:  # O took no part in the loss
+        return None, None, None, None, None, None, None
     q, k, v, o, lse = ctx.saved_tensors
     # LSE is an output only so that the backward can have it; SDPA returns no LSE, so
     # nothing downstream differentiates it (d_lse is None or zeros).
@@ -519,18 +534,22 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 class _Attention(torch.autograd.Function):
     """The eager path: the same forward and backward as the operators, without their
-    dispatch (torch.compile traces the operators instead)."""
+    dispatch (torch.compile traces the operators instead). Once differentiable, as the
+    operators are: a second derivative raises rather than comes out wrong."""
 
     @staticmethod
-    def forward(ctx, q, k, v, stage, causal, scale, deterministic):
-        o, lse = _run_forward(q, k, v, stage, causal, scale)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.stage, ctx.causal, ctx.scale, ctx.deterministic = stage, causal, scale, deterministic
-        ctx.mark_non_differentiable(lse)
-        return o, lse
+    def forward(q, k, v, stage, causal, scale, deterministic):
+        return _run_forward(q, k, v, stage, causal, scale)
 
     @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, d_o, d_lse):
+        if d_o is None:  # O took no part in the loss
+            return None, None, None, None, None, None, None
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = _run_backward(d_o, q, k, v, o, lse, ctx.stage, ctx.causal, ctx.scale,
                                    ctx.deterministic)

@@ -289,19 +289,26 @@ def test_flash_attn_func_is_sdpa_on_the_other_layout():
         assert torch.equal(got.transpose(1, 2), ref)
 
 
-def test_flash_attn_func_deterministic_per_call():
-    """deterministic=True gives the same dQ bits call after call, without torch's global
-    mode or the environment variable."""
-    stage = next((s for s in ATOMIC_DQ if s in fs.stages()), None)
+def test_flash_attn_func_deterministic_per_call(monkeypatch):
+    """deterministic=True takes the stage's deterministic dQ path in that call alone: the same
+    bits as ATTN_DETERMINISTIC=1, call after call."""
+    have = torch.cuda.get_device_capability()
+    stage = next((s for s in ATOMIC_DQ if s in fs.stages() and
+                  fs._NEEDS_CAPABILITY.get(s, have) == have), None)
     if stage is None:
-        pytest.skip("no stage with a deterministic dQ path loaded")
+        pytest.skip("no stage with a deterministic dQ path runs on this GPU")
     q, k, v, d_o = inputs((2, 4, 300, 300, 64, True), torch.float16)
     qs, ks, vs = (x.transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
-    grads = []
-    for _ in range(3):
-        out = fs.flash_attn_func(qs, ks, vs, causal=True, deterministic=True, stage=stage)
-        grads.append(torch.autograd.grad(out, (qs,), d_o.transpose(1, 2))[0])
-    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
+
+    def dq(**flag):
+        out = fs.flash_attn_func(qs, ks, vs, causal=True, stage=stage, **flag)
+        return torch.autograd.grad(out, (qs,), d_o.transpose(1, 2))[0]
+    grads = [dq(deterministic=True) for _ in range(3)]
+    monkeypatch.setenv("ATTN_DETERMINISTIC", "1")
+    want = dq()
+    monkeypatch.delenv("ATTN_DETERMINISTIC")
+    for g in grads:
+        assert torch.equal(g, want), "deterministic=True differs from ATTN_DETERMINISTIC=1"
 
 
 def test_flash_attn_func_errors_are_clear():
@@ -312,6 +319,12 @@ def test_flash_attn_func_errors_are_clear():
         fs.flash_attn_func(q.cpu(), q, q)
     with pytest.raises(fs.FlashStagesError, match="softmax_scale"):
         fs.flash_attn_func(q, q, q, softmax_scale=float("inf"))
+    with pytest.raises(fs.FlashStagesError, match="dropout"):
+        fs.flash_attn_func(q, q, q, dropout_p=0.1)
+    with pytest.raises(fs.FlashStagesError, match="multiple of the key/value heads"):
+        fs.flash_attn_func(torch.randn(1, 16, 3, 64, device="cuda", dtype=torch.float16), q, q)
+    with pytest.raises(TypeError):  # keyword-only: FlashAttention's positional dropout_p
+        fs.flash_attn_func(q, q, q, 0.0)
 
 
 def test_cuda_graph_replay_matches_eager():
