@@ -26,8 +26,11 @@ PyTorch's SDPA instead, with one warning per reason.
 
 Streams: the kernels run on PyTorch's current stream (the harness's attn_stream(), which the
 library sets around each call; the stage programs leave it at the legacy default stream).
-CUDA graphs are not tried: the operators are tagged cudagraph_unsafe, since a stage's host
-code (shared-memory opt-in, the dQ buffer's memset) was not written with capture in mind.
+CUDA graphs: a call can be captured (torch.cuda.graph, torch.compile's reduce-overhead mode).
+Its host code makes no allocation outside PyTorch's caching allocator (the workspace is a
+torch tensor), no synchronisation, and only asynchronous memsets on the current stream. A
+replay repeats the captured launches: the harness's variables (ATTN_DETERMINISTIC, ...) as
+they were at capture, and last_call is not updated.
 """
 import contextlib
 import math
@@ -44,8 +47,8 @@ except ImportError as e:  # not a dependency pip installs: the user picks a CPU 
 
 from . import _library
 
-__all__ = ["scaled_dot_product_attention", "stages", "stage_info", "FlashStagesError",
-           "HALF_STAGES", "PREFERENCE"]
+__all__ = ["scaled_dot_product_attention", "flash_attn_func", "stages", "stage_info",
+           "FlashStagesError", "HALF_STAGES", "PREFERENCE"]
 
 # The order the default choice tries: the fastest stage first (docs/results), each only where
 # it supports the inputs. 12 is 10's forward with the Hopper backward (and the only
@@ -125,9 +128,19 @@ def _unknown_stage(name):
     return f"no stage named {name!r}; loaded: {', '.join(stages())}"
 
 
+_CAPABILITY = {}  # device index: (major, minor), asked once
+
+
+def _capability(device):
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return _CAPABILITY[index]
+
+
 def _unsupported(info, q, k, v, is_causal, enable_gqa, needs_grad):
     """Why `info`'s stage cannot compute this call, or None."""
-    have = torch.cuda.get_device_capability(q.device)
+    have = _capability(q.device)
     if have < _MIN_CAPABILITY:
         return (f"{info.name} needs compute capability {_MIN_CAPABILITY[0]}.{_MIN_CAPABILITY[1]} "
                 f"or later; this GPU is {have[0]}.{have[1]}")
@@ -241,6 +254,22 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if not math.isfinite(scale):
         raise FlashStagesError(f"scale must be a finite number, got {scale}")
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    named = stage is not None
+    stage, why = _choose_stage(q, k, v, is_causal, enable_gqa, needs_grad, stage)
+    if why is not None:
+        if fallback:
+            return _fallback(q, k, v, is_causal, scale, enable_gqa, why)
+        raise FlashStagesError(why if named else f"no loaded stage computes this call: {why}")
+    if q.numel() == 0 or k.numel() == 0:
+        # Nothing for a kernel to do; SDPA's answer for empty keys is an empty sum: zeros.
+        return torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
+    o, _ = _attention(q, k, v, stage, bool(is_causal), scale, False)
+    return o
+
+
+def _choose_stage(q, k, v, is_causal, enable_gqa, needs_grad, stage):
+    """(the stage to run, None), or (None, why): why the named stage, or every stage of
+    PREFERENCE that loaded, cannot compute the call."""
     if stage is None:
         reasons = []
         for name in PREFERENCE:
@@ -251,23 +280,64 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                     break
                 reasons.append(why)
         if stage is None:
-            why = "; ".join(reasons) if reasons else _unknown_stage("(any)")
-            if fallback:
-                return _fallback(q, k, v, is_causal, scale, enable_gqa, why)
-            raise FlashStagesError(f"no loaded stage computes this call: {why}")
-    else:
-        if stage not in _INFO:
-            raise FlashStagesError(_unknown_stage(stage))
-        why = _unsupported(_INFO[stage], q, k, v, is_causal, enable_gqa, needs_grad)
-        if why is not None:
-            if fallback:
-                return _fallback(q, k, v, is_causal, scale, enable_gqa, why)
-            raise FlashStagesError(why)
-    if q.numel() == 0 or k.numel() == 0:
-        # Nothing for a kernel to do; SDPA's answer for empty keys is an empty sum: zeros.
-        return torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
-    o, _ = _forward_op(q, k, v, stage, bool(is_causal), scale)
-    return o
+            return None, "; ".join(reasons) if reasons else _unknown_stage("(any)")
+        return stage, None
+    if stage not in _INFO:
+        raise FlashStagesError(_unknown_stage(stage))
+    why = _unsupported(_INFO[stage], q, k, v, is_causal, enable_gqa, needs_grad)
+    return (None, why) if why is not None else (stage, None)
+
+
+def _attention(q, k, v, stage, causal, scale, deterministic):
+    """O and LSE from the stage. Eager calls take the autograd.Function, which costs a few
+    microseconds less of host time a call than the custom operator's dispatch; torch.compile
+    traces the operator."""
+    if torch.compiler.is_compiling():
+        return _forward_op(q, k, v, stage, causal, scale, deterministic)
+    return _Attention.apply(q, k, v, stage, causal, scale, deterministic)
+
+
+def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
+                    return_lse=False, deterministic=False, stage=None):
+    """FlashAttention's call and argument names (keyword-only after v, so that a positional
+    dropout_p in FlashAttention's order cannot land in softmax_scale): q [B, S, H, d], k and
+    v [B, S_k, Hkv, d] (Hkv dividing H: grouped-query and multi-query attention as
+    FlashAttention takes them), CUDA tensors. Returns out [B, S, H, d], contiguous, and with
+    return_lse=True also softmax_lse [B, H, S] (float32, natural log, -inf on rows that see
+    no key; it carries no gradient). causal is bottom-right aligned, as in FlashAttention 2.1
+    and later. deterministic=True takes the stage's deterministic dQ path in this call's
+    backward. dropout_p must be 0. stage: as in scaled_dot_product_attention. Until the
+    kernels take row strides, the inputs are copied into their [B, H, S, d] layout (in the
+    forward, and again in the backward) and the output out of it."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise FlashStagesError(f"{name} must be a 4-D tensor [B, S, H, d], got "
+                                   f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    if dropout_p != 0.0:
+        raise FlashStagesError("the stages have no dropout: dropout_p must be 0")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise FlashStagesError(f"q has {q.shape[2]} heads and k {k.shape[2]}: the query heads "
+                               "must be a multiple of the key/value heads")
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    why = _check_inputs(qh, kh, vh, True)
+    if why is not None:
+        raise FlashStagesError(f"{why} (q, k, v given as [B, S, H, d], read as [B, H, S, d])")
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
+    if not math.isfinite(scale):
+        raise FlashStagesError(f"softmax_scale must be a finite number, got {scale}")
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    named = stage is not None
+    stage, why = _choose_stage(qh, kh, vh, causal, True, needs_grad, stage)
+    if why is not None:
+        raise FlashStagesError(why if named else f"no loaded stage computes this call: {why}")
+    if q.numel() == 0 or k.numel() == 0:  # as scaled_dot_product_attention: an empty sum
+        out = torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
+        lse = torch.full(qh.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
+    o, lse = _attention(qh, kh, vh, stage, bool(causal), scale, bool(deterministic))
+    out = o.transpose(1, 2).contiguous()
+    return (out, lse) if return_lse else out
 
 
 # ---- the operators ---------------------------------------------------------------------
@@ -294,8 +364,11 @@ def _on_device(device):
     cannot run: tiles past its shared memory) and 77 (a stage built for another GPU) raise
     FlashStagesError, 1 (a CUDA error) RuntimeError."""
     try:
-        with torch.cuda.device(device):
+        if device.index is None or device.index == torch.cuda.current_device():
             yield torch.cuda.current_stream(device).cuda_stream
+        else:
+            with torch.cuda.device(device):
+                yield torch.cuda.current_stream(device).cuda_stream
     except _library.StageLibraryError as e:
         raise (FlashStagesError if e.code in (2, 77) else RuntimeError)(str(e)) from None
 
@@ -304,11 +377,24 @@ def _on_device(device):
 _DECODE_TILE_KEYS = 64
 
 
+_ENVIRONMENT = ("ATTN_DETERMINISTIC", "ATTN_SHARED_MEMORY_LIMIT", "ATTN_SHARED_MEMORY_PER_SM",
+                "ATTN_DECODE_BATCH_INVARIANT", "ATTN_DECODE_CHUNK_KEYS")
+_checked_environment = None  # the values last found good
+
+
+def _environment():
+    return tuple(os.environ.get(name) for name in _ENVIRONMENT)
+
+
 def _check_environment():
     """The harness's variables (docs/conventions.md section 6), before any library call, by
     the rules the programs apply where they read them: a bad value is FlashStagesError naming
     the variable, whichever stage is called (the library would say so only for a stage
-    that reads it)."""
+    that reads it). Values already found good are not parsed again."""
+    global _checked_environment
+    values = _environment()
+    if values == _checked_environment:
+        return
     def whole(name, low, high, step=1):  # strtoull/strtol's decimal forms: spaces, a + sign
         text = os.environ.get(name, "")
         digits = text.lstrip(" \t\n\v\f\r").removeprefix("+")
@@ -326,17 +412,31 @@ def _check_environment():
     if inv not in ("", "0", "1"):
         raise FlashStagesError(f"ATTN_DECODE_BATCH_INVARIANT must be 0 or 1, got {inv!r}")
     whole("ATTN_DECODE_CHUNK_KEYS", 1, _MAX_DIM, _DECODE_TILE_KEYS)
+    _checked_environment = values
 
 
-# Tagged only where this PyTorch has the tag (and so custom_op's `tags`, which came first).
-_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
-_OP_OPTIONS = {"tags": _TAGS} if _TAGS else {}
+# Workspace bytes by (stage, direction, problem, device, environment): the libraries compute
+# them from the problem, the device and the variables above (stage 11's decode plan), so a
+# repeated shape asks once.
+_WORKSPACE, _WORKSPACE_ENTRIES = {}, 4096
 
 
-@torch.library.custom_op("flash_stages::forward", mutates_args=(), device_types="cuda",
-                         **_OP_OPTIONS)
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage: str, causal: bool,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _workspace_bytes(lib, direction, p, device):
+    key = (lib.name, direction, p.batch, p.heads, p.seq_q, p.seq_kv, p.head_dim, p.causal,
+           p.dtype, p.heads_kv, device.index, _checked_environment)
+    if key not in _WORKSPACE:
+        if len(_WORKSPACE) >= _WORKSPACE_ENTRIES:  # a decode loop's growing caches: start over
+            _WORKSPACE.clear()
+        fn = lib.forward_workspace if direction == "forward" else lib.backward_workspace
+        _WORKSPACE[key] = fn(p)
+    return _WORKSPACE[key]
+
+
+_OP_OPTIONS = {}
+
+
+def _run_forward(q, k, v, stage, causal, scale):
+    """O and LSE of one call: the body of the forward operator and of _Attention."""
     _check_environment()  # before forward_workspace, which reads them at stage 11's decode
     lib = _LIBS[stage]
     q, k, v = (_in_kernel_layout(t) for t in (q, k, v))
@@ -344,7 +444,8 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage: str, c
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     p = _problem(q, k, causal, scale)
     with _on_device(q.device) as stream:
-        ws = torch.empty(lib.forward_workspace(p), dtype=torch.uint8, device=q.device)
+        ws = torch.empty(_workspace_bytes(lib, "forward", p, q.device), dtype=torch.uint8,
+                         device=q.device)
         bufs = _library.Buffers(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
                                 lse.data_ptr(), None, None, None, None,
                                 ws.data_ptr() if ws.numel() else None)
@@ -355,27 +456,33 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage: str, c
     return o, lse
 
 
+@torch.library.custom_op("flash_stages::forward", mutates_args=(), device_types="cuda",
+                         **_OP_OPTIONS)
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage: str, causal: bool,
+                scale: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _run_forward(q, k, v, stage, causal, scale)
+
+
 @_forward_op.register_fake
-def _(q, k, v, stage, causal, scale):
+def _(q, k, v, stage, causal, scale, deterministic):
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
         q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("flash_stages::backward", mutates_args=(), device_types="cuda",
-                         **_OP_OPTIONS)
-def _backward_op(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 o: torch.Tensor, lse: torch.Tensor, stage: str, causal: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _run_backward(d_o, q, k, v, o, lse, stage, causal, scale, deterministic):
+    """dQ, dK and dV of one call: the body of the backward operator and of _Attention."""
     _check_environment()
     lib = _LIBS[stage]
     d_o, q, k, v, o = (_in_kernel_layout(t) for t in (d_o, q, k, v, o))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     p = _problem(q, k, causal, scale)
-    # torch's deterministic mode asks the stage for its deterministic dQ path (09-12), as
-    # ATTN_DETERMINISTIC=1 in the environment does, which is left as the caller set it.
-    deterministic = torch.are_deterministic_algorithms_enabled()
+    # The call's deterministic=True or torch's deterministic mode asks the stage for its
+    # deterministic dQ path (09-12), as ATTN_DETERMINISTIC=1 in the environment does, which
+    # is left as the caller set it.
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     with _on_device(q.device) as stream:
-        ws = torch.empty(lib.backward_workspace(p), dtype=torch.uint8, device=q.device)
+        ws = torch.empty(_workspace_bytes(lib, "backward", p, q.device), dtype=torch.uint8,
+                         device=q.device)
         bufs = _library.Buffers(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
                                 lse.data_ptr(), d_o.data_ptr(), dq.data_ptr(), dk.data_ptr(),
                                 dv.data_ptr(), ws.data_ptr() if ws.numel() else None)
@@ -387,26 +494,63 @@ def _backward_op(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     return dq, dk, dv
 
 
+@torch.library.custom_op("flash_stages::backward", mutates_args=(), device_types="cuda",
+                         **_OP_OPTIONS)
+def _backward_op(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, lse: torch.Tensor, stage: str, causal: bool, scale: float,
+                 deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _run_backward(d_o, q, k, v, o, lse, stage, causal, scale, deterministic)
+
+
 @_backward_op.register_fake
-def _(d_o, q, k, v, o, lse, stage, causal, scale):
+def _(d_o, q, k, v, o, lse, stage, causal, scale, deterministic):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, stage, causal, scale = inputs
+    q, k, v, stage, causal, scale, deterministic = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
-    ctx.stage, ctx.causal, ctx.scale = stage, causal, scale
+    ctx.stage, ctx.causal, ctx.scale, ctx.deterministic = stage, causal, scale, deterministic
+    ctx.mark_non_differentiable(lse)  # the backward has no term for a gradient of LSE
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, d_o, d_lse):
+    if d_o is None:  # O took no part in the loss
+        return None, None, None, None, None, None, None
     q, k, v, o, lse = ctx.saved_tensors
     # LSE is an output only so that the backward can have it; SDPA returns no LSE, so
     # nothing downstream differentiates it (d_lse is None or zeros).
-    dq, dk, dv = _backward_op(d_o, q, k, v, o, lse, ctx.stage, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None, None
+    dq, dk, dv = _backward_op(d_o, q, k, v, o, lse, ctx.stage, ctx.causal, ctx.scale,
+                              ctx.deterministic)
+    return dq, dk, dv, None, None, None, None
 
 
 _forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _Attention(torch.autograd.Function):
+    """The eager path: the same forward and backward as the operators, without their
+    dispatch (torch.compile traces the operators instead). Once differentiable, as the
+    operators are: a second derivative raises rather than comes out wrong."""
+
+    @staticmethod
+    def forward(q, k, v, stage, causal, scale, deterministic):
+        return _run_forward(q, k, v, stage, causal, scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_o, d_lse):
+        if d_o is None:  # O took no part in the loss
+            return None, None, None, None, None, None, None
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _run_backward(d_o, q, k, v, o, lse, ctx.stage, ctx.causal, ctx.scale,
+                                   ctx.deterministic)
+        return dq, dk, dv, None, None, None, None

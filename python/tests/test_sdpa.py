@@ -266,6 +266,110 @@ def test_torch_compile_traces_without_graph_breaks():
         assert torch.equal(eager, comp), f"{name} differs between eager and compiled"
 
 
+def test_flash_attn_func_is_sdpa_on_the_other_layout():
+    """flash_attn_func on [B, S, H, d] (GQA too) gives SDPA's entry's bits on the transposed
+    tensors, its LSE is the kernel's, and its gradients arrive in [B, S, H, d]."""
+    stage = fastest_half()
+    q, k, v, d_o = inputs((2, 4, 129, 257, 64, True), torch.float16)
+    want = fs.scaled_dot_product_attention(q, k, v, is_causal=True, stage=stage)
+    qs, ks, vs = (x.transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
+    out, lse = fs.flash_attn_func(qs, ks, vs, causal=True, return_lse=True, stage=stage)
+    assert out.shape == qs.shape and lse.shape == (2, 4, 129) and lse.dtype == torch.float32
+    assert torch.equal(out.transpose(1, 2), want)
+    dq, dk, dv = torch.autograd.grad(out, (qs, ks, vs), d_o.transpose(1, 2))
+    assert dq.shape == qs.shape and dk.shape == ks.shape and dv.shape == vs.shape
+    if "12_hopper_backward" in fs.stages() and stage == "12_hopper_backward":
+        qg = torch.randn(1, 64, 8, 64, device="cuda", dtype=torch.float16)
+        kg, vg = (torch.randn(1, 64, 2, 64, device="cuda", dtype=torch.float16)
+                  for _ in range(2))
+        got = fs.flash_attn_func(qg, kg, vg, causal=True)
+        ref = fs.scaled_dot_product_attention(qg.transpose(1, 2), kg.transpose(1, 2),
+                                              vg.transpose(1, 2), is_causal=True,
+                                              enable_gqa=True)
+        assert torch.equal(got.transpose(1, 2), ref)
+
+
+def test_flash_attn_func_deterministic_per_call(monkeypatch):
+    """deterministic=True takes the stage's deterministic dQ path in that call alone: the same
+    bits as ATTN_DETERMINISTIC=1, call after call."""
+    have = torch.cuda.get_device_capability()
+    stage = next((s for s in ATOMIC_DQ if s in fs.stages() and
+                  fs._NEEDS_CAPABILITY.get(s, have) == have), None)
+    if stage is None:
+        pytest.skip("no stage with a deterministic dQ path runs on this GPU")
+    q, k, v, d_o = inputs((2, 4, 300, 300, 64, True), torch.float16)
+    qs, ks, vs = (x.transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
+
+    def dq(**flag):
+        out = fs.flash_attn_func(qs, ks, vs, causal=True, stage=stage, **flag)
+        return torch.autograd.grad(out, (qs,), d_o.transpose(1, 2))[0]
+    grads = [dq(deterministic=True) for _ in range(3)]
+    monkeypatch.setenv("ATTN_DETERMINISTIC", "1")
+    want = dq()
+    monkeypatch.delenv("ATTN_DETERMINISTIC")
+    for g in grads:
+        assert torch.equal(g, want), "deterministic=True differs from ATTN_DETERMINISTIC=1"
+
+
+def test_flash_attn_func_errors_are_clear():
+    q = torch.randn(1, 16, 2, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(fs.FlashStagesError, match=r"\[B, S, H, d\]"):
+        fs.flash_attn_func(q[0], q, q)
+    with pytest.raises(fs.FlashStagesError, match="CUDA tensors"):
+        fs.flash_attn_func(q.cpu(), q, q)
+    with pytest.raises(fs.FlashStagesError, match="softmax_scale"):
+        fs.flash_attn_func(q, q, q, softmax_scale=float("inf"))
+    with pytest.raises(fs.FlashStagesError, match="dropout"):
+        fs.flash_attn_func(q, q, q, dropout_p=0.1)
+    with pytest.raises(fs.FlashStagesError, match="multiple of the key/value heads"):
+        fs.flash_attn_func(torch.randn(1, 16, 3, 64, device="cuda", dtype=torch.float16), q, q)
+    with pytest.raises(TypeError):  # keyword-only: FlashAttention's positional dropout_p
+        fs.flash_attn_func(q, q, q, 0.0)
+
+
+def test_cuda_graph_replay_matches_eager():
+    """Forward and backward captured in one CUDA graph replay to the eager call's bits (on the
+    deterministic path, so that dQ's additions come in one order)."""
+    stage = fastest_half()
+    q, k, v, d_o = inputs((1, 4, 256, 256, 64, True), torch.float16)
+    static = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+
+    def step():
+        o = fs.scaled_dot_product_attention(*static, is_causal=True, stage=stage)
+        return (o, *torch.autograd.grad(o, static, d_o))
+    torch.use_deterministic_algorithms(True)
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture, as torch.cuda.graph asks
+            eager = [t.clone() for t in step()]
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = step()
+        graph.replay()
+        torch.cuda.synchronize()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, a, b in zip(("O", "dQ", "dK", "dV"), eager, captured):
+        assert torch.equal(a, b), f"{name} differs between eager and the replayed graph"
+
+
+def test_compile_reduce_overhead_matches_eager():
+    """torch.compile's reduce-overhead mode (CUDA graphs of the compiled region) on a small
+    block gives the eager results, call after call."""
+    stage = fastest_half()
+    q, k, v, _ = inputs((2, 4, 128, 128, 64, True), torch.float16)
+
+    def block(q, k, v):
+        return fs.scaled_dot_product_attention(q * 1.0, k, v, is_causal=True, stage=stage) + 1.0
+    compiled = torch.compile(block, mode="reduce-overhead")
+    want = block(q, k, v)
+    for _ in range(3):  # the first calls record, the later ones replay
+        got = compiled(q, k, v)
+        assert torch.equal(got, want), "reduce-overhead differs from eager"
+
+
 def test_non_contiguous_inputs_give_the_same_result():
     stage = fastest_half()
     b, n, h, d = 2, 130, 3, 64

@@ -1,0 +1,144 @@
+#!/usr/bin/env python3
+"""Wall time per call, back to back, of attention calls too small for the kernels to matter:
+what a training step or a decode step pays per layer on the host. flash_stages beside each
+SDPA backend, in one process, and a cProfile of the flash_stages calls (where the host time
+goes: checks, dispatch, ctypes, allocation).
+
+    python3 scripts/call_overhead.py                      # the shapes below, every backend
+    python3 scripts/call_overhead.py --tsv out.tsv --profile 25
+
+Shapes (the PyTorch issue's): forward and forward + backward at B = 1, H = 8, N = 128, d = 64
+and B = 1, H = 16, N = 1024, d = 128; decode (one query, H = 32, Hkv = 8, d = 128) at B = 1
+and 8 with caches of 1k and 4k keys. A call is timed as the wall time of CALLS calls back to
+back, then one synchronisation, divided by CALLS: the kernels overlap the host's next call, so
+a call costs max(host time, kernel time). Beside it, the GPU's span: CUDA events around the
+same loop, which include the GPU's idle gaps, so a span near the wall time says the host is
+the limit, and one well below it does not occur. Without PyTorch, a CUDA device or the package: one "skipped"
+line, exit 0.
+"""
+import argparse
+import contextlib
+import cProfile
+import io
+import os
+import pstats
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
+
+CALLS, WARMUPS, ROUNDS = 200, 20, 5
+TRAINING = [(1, 8, 8, 128, 128, 64), (1, 16, 16, 1024, 1024, 128)]  # B, H, Hkv, Nq, Nkv, d
+DECODE = [(b, 32, 8, 1, n, 128) for b in (1, 8) for n in (1024, 4096)]
+
+
+def skipped(why):
+    print(f"call_overhead: skipped: {why}")
+    sys.exit(0)
+
+
+def per_call_us(torch, fn):
+    """Median over ROUNDS of (wall time of CALLS calls back to back) / CALLS, and the same
+    for the GPU's time between events around the loop."""
+    for _ in range(WARMUPS):
+        fn()
+    torch.cuda.synchronize()
+    walls, gpus = [], []
+    for _ in range(ROUNDS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(CALLS):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e6 / CALLS)
+        gpus.append(start.elapsed_time(end) * 1e3 / CALLS)
+    return sorted(walls)[ROUNDS // 2], sorted(gpus)[ROUNDS // 2]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backends", nargs="*", default=["flash", "cudnn", "efficient", "math"],
+                    choices=["flash", "cudnn", "efficient", "math"])
+    ap.add_argument("--tsv", help="append rows: case, impl, wall_us, gpu_span_us")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="print the top N functions of a cProfile of each flash_stages call")
+    a = ap.parse_args()
+    try:
+        import torch
+    except ImportError:
+        skipped("no PyTorch")
+    if not torch.cuda.is_available():
+        skipped("no CUDA device")
+    try:
+        import flash_stages
+    except ImportError as e:
+        skipped(f"flash_stages: {e}")
+    if not flash_stages.stages():
+        skipped("no stage library loaded")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    F = torch.nn.functional
+    names = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    rows = []
+    cases = [("fwd", s) for s in TRAINING] + [("fwd+bwd", s) for s in TRAINING] + \
+        [("decode", s) for s in DECODE]
+    for kind, (b, h, hkv, nq, nkv, d) in cases:
+        grad = kind == "fwd+bwd"
+        q = torch.randn(b, h, nq, d, device="cuda", dtype=torch.float16, requires_grad=grad)
+        k, v = (torch.randn(b, hkv, nkv, d, device="cuda", dtype=torch.float16,
+                            requires_grad=grad) for _ in range(2))
+        do = torch.randn_like(q)
+        gqa = hkv != h
+        case = f"{kind} B={b} H={h} Hkv={hkv} Nq={nq} Nkv={nkv} d={d}"
+
+        def call(attention):
+            def fn():
+                o = attention(q, k, v)
+                if grad:
+                    torch.autograd.grad(o, (q, k, v), do)
+            return fn
+        # (implementation, call, the SDPA backend to select around the timing or None)
+        impls = [("flash_stages", call(lambda q, k, v: flash_stages.scaled_dot_product_attention(
+            q, k, v, is_causal=nq > 1, enable_gqa=gqa)), None)]
+        for name in a.backends:
+            impls.append((f"sdpa_{name}", call(lambda q, k, v: F.scaled_dot_product_attention(
+                q, k, v, is_causal=nq > 1, enable_gqa=gqa)), names[name]))
+        timed = set()
+        for impl, fn, backend in impls:
+            try:
+                with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                    wall, gpu = per_call_us(torch, fn)
+            except Exception as e:  # a backend that refuses the shape: say so, go on
+                print(f"{case:45s} {impl:14s} refused: {str(e).splitlines()[0][:80]}")
+                continue
+            print(f"{case:45s} {impl:14s} {wall:8.1f} us a call (GPU span {gpu:8.1f} us)",
+                  flush=True)
+            rows.append((case, impl, wall, gpu))
+            timed.add(impl)
+        if a.profile and "flash_stages" in timed:
+            fn = impls[0][1]
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(CALLS):
+                fn()
+            prof.disable()
+            torch.cuda.synchronize()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(a.profile)
+            print(out.getvalue())
+    if a.tsv:
+        new = not os.path.exists(a.tsv)
+        with open(a.tsv, "a") as f:
+            if new:
+                f.write("case\timpl\twall_us\tgpu_span_us\tdevice\n")
+            dev = torch.cuda.get_device_name()
+            for case, impl, wall, gpu in rows:
+                f.write(f"{case}\t{impl}\t{wall:.2f}\t{gpu:.2f}\t{dev}\n")
+
+
+if __name__ == "__main__":
+    main()
