@@ -263,7 +263,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if q.numel() == 0 or k.numel() == 0:
         # Nothing for a kernel to do; SDPA's answer for empty keys is an empty sum: zeros.
         return torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
-    o, _ = _attention(q, k, v, stage, bool(is_causal), scale, False)
+    o, _ = _attention(q, k, v, stage, bool(is_causal), scale, False, needs_grad)
     return o
 
 
@@ -288,12 +288,14 @@ def _choose_stage(q, k, v, is_causal, enable_gqa, needs_grad, stage):
     return (None, why) if why is not None else (stage, None)
 
 
-def _attention(q, k, v, stage, causal, scale, deterministic):
-    """O and LSE from the stage. Eager calls take the autograd.Function, which costs a few
-    microseconds less of host time a call than the custom operator's dispatch; torch.compile
-    traces the operator."""
+def _attention(q, k, v, stage, causal, scale, deterministic, needs_grad):
+    """O and LSE from the stage. torch.compile traces the operator; eager calls skip its
+    dispatch: without a gradient to record they call the forward itself, with one they take
+    the autograd.Function."""
     if torch.compiler.is_compiling():
         return _forward_op(q, k, v, stage, causal, scale, deterministic)
+    if not needs_grad:
+        return _run_forward(q, k, v, stage, causal, scale)
     return _Attention.apply(q, k, v, stage, causal, scale, deterministic)
 
 
@@ -335,7 +337,8 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
         out = torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
         lse = torch.full(qh.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
-    o, lse = _attention(qh, kh, vh, stage, bool(causal), scale, bool(deterministic))
+    o, lse = _attention(qh, kh, vh, stage, bool(causal), scale, bool(deterministic),
+                        needs_grad)
     out = o.transpose(1, 2).contiguous()
     return (out, lse) if return_lse else out
 
@@ -535,15 +538,15 @@ _forward_op.register_autograd(_backward, setup_context=_setup_context)
 class _Attention(torch.autograd.Function):
     """The eager path: the same forward and backward as the operators, without their
     dispatch (torch.compile traces the operators instead). Once differentiable, as the
-    operators are: a second derivative raises rather than comes out wrong."""
+    operators are: a second derivative raises rather than comes out wrong. The forward takes
+    ctx itself: with a separate setup_context, every apply binds its arguments through
+    inspect.signature, which a profile of small calls showed among their largest costs."""
 
     @staticmethod
-    def forward(q, k, v, stage, causal, scale, deterministic):
-        return _run_forward(q, k, v, stage, causal, scale)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _setup_context(ctx, inputs, output)
+    def forward(ctx, q, k, v, stage, causal, scale, deterministic):
+        o, lse = _run_forward(q, k, v, stage, causal, scale)
+        _setup_context(ctx, (q, k, v, stage, causal, scale, deterministic), (o, lse))
+        return o, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
