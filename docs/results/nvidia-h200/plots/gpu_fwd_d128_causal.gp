@@ -1,6 +1,6 @@
 set terminal pngcairo size 1000,640 font 'sans,11'
 set output 'gpu_fwd_d128_causal.png'
-set title "GPU forward, d = 128, causal (H = 2048/d, B = 16384/N)\n{/*0.8 NVIDIA H200, CUDA 13.0, 2026-11-21; NVIDIA H200, CUDA 13.0, 2026-11-29}"
+set title "GPU forward, d = 128, causal (H = 2048/d, B = 16384/N)\n{/*0.8 NVIDIA H200, CUDA 13.0, 2026-11-21; NVIDIA H200, CUDA 13.0, 2026-11-29; NVIDIA H200, CUDA 13.0, 2026-11-30}"
 set xlabel 'N (sequence length)'
 set ylabel 'TFLOP/s'
 set grid
@@ -18,9 +18,10 @@ plot 'gpu_fwd_d128_causal_data/s0.dat' using 1:2 with linespoints lw 2 pt 7 lc r
      'gpu_fwd_d128_causal_data/s8.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#1f78b4' title '10_hopper_wgmma bf16' noenhanced, \
      'gpu_fwd_d128_causal_data/s9.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#b2182b' title '10_hopper_wgmma fp16' noenhanced, \
      'gpu_fwd_d128_causal_data/s10.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#000000' title '11_split_kv_decode fp16' noenhanced, \
-     'gpu_fwd_d128_causal_data/s11.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#8c564b' title '12_hopper_backward fp16' noenhanced, \
-     'gpu_fwd_d128_causal_data/s12.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#17becf' title 'cublas_baseline' noenhanced, \
-     'gpu_fwd_d128_causal_data/s13.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#bcbd22' title 'sdpa_cudnn fp16' noenhanced, \
-     'gpu_fwd_d128_causal_data/s14.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#1b9e77' title 'sdpa_efficient fp16' noenhanced, \
-     'gpu_fwd_d128_causal_data/s15.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#d95f02' title 'sdpa_efficient fp32' noenhanced, \
-     'gpu_fwd_d128_causal_data/s16.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#7570b3' title 'sdpa_flash fp16' noenhanced
+     'gpu_fwd_d128_causal_data/s11.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#8c564b' title '12_hopper_backward bf16' noenhanced, \
+     'gpu_fwd_d128_causal_data/s12.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#17becf' title '12_hopper_backward fp16' noenhanced, \
+     'gpu_fwd_d128_causal_data/s13.dat' using 1:2 with linespoints lw 2 pt 7 lc rgb '#bcbd22' title 'cublas_baseline' noenhanced, \
+     'gpu_fwd_d128_causal_data/s14.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#1b9e77' title 'sdpa_cudnn fp16' noenhanced, \
+     'gpu_fwd_d128_causal_data/s15.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#d95f02' title 'sdpa_efficient fp16' noenhanced, \
+     'gpu_fwd_d128_causal_data/s16.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#7570b3' title 'sdpa_efficient fp32' noenhanced, \
+     'gpu_fwd_d128_causal_data/s17.dat' using 1:2 with linespoints lw 2 pt 7 dt 2 lc rgb '#e7298a' title 'sdpa_flash fp16' noenhanced

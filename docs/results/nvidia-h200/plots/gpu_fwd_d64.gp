@@ -1,6 +1,6 @@
 set terminal pngcairo size 1000,640 font 'sans,11'
 set output 'gpu_fwd_d64.png'
-set title "GPU forward, d = 64, non-causal (H = 2048/d, B = 16384/N)\n{/*0.8 NVIDIA H200, CUDA 13.0, 2026-11-21; NVIDIA H200, CUDA 13.0, 2026-11-29}"
+set title "GPU forward, d = 64, non-causal (H = 2048/d, B = 16384/N)\n{/*0.8 NVIDIA H200, CUDA 13.0, 2026-11-21; NVIDIA H200, CUDA 13.0, 2026-11-29; NVIDIA H200, CUDA 13.0, 2026-11-30}"
 set xlabel 'N (sequence length)'
 set ylabel 'TFLOP/s'
 set grid
