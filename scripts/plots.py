@@ -7,6 +7,7 @@ Rows of more than one device (say two CPU folders) are drawn as separate series,
 named with its device. Where gnuplot is missing the data and scripts are still written,
 and one line says how to install it."""
 import argparse
+import csv
 import glob
 import math
 import os
@@ -273,6 +274,44 @@ def swizzle_switches(result_dir, out_dir):
         "set ylabel 'gain (%)'\nset grid ytics\n", plotted)
 
 
+# The package's host time per call (scripts/call_overhead.py): each small call, the package as
+# it is (the newest `package`) and as it was (each earlier one), beside SDPA flash and cuDNN
+# of the current package's process.
+def call_overhead(result_dir, out_dir):
+    path = os.path.join(result_dir, "call_overhead.tsv")
+    if not os.path.exists(path):
+        return None
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    packages = list(dict.fromkeys(r["package"] for r in rows))
+    now = packages[0]
+    bars = [("flash_stages", p, f"flash_stages {p}") for p in packages]
+    bars += [(impl, now, impl.replace("sdpa_", "SDPA ")) for impl in ("sdpa_flash", "sdpa_cudnn")]
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    value = {(r["case"], r["impl"], r["package"]): r["wall_us"] for r in rows}
+    out = os.path.join(out_dir, "call_overhead.png")
+    dat = os.path.join(fresh_data_dir(out), "call_overhead.dat")
+    def label(case):  # "decode B=8 H=32 Hkv=8 Nq=1 Nkv=4096 d=128" -> "decode B=8 4k keys"
+        kind, *sizes = case.split()
+        n = dict(x.split("=") for x in sizes)
+        if kind == "decode":
+            return f"decode B={n['B']} {int(n['Nkv']) // 1024}k keys"
+        return f"{kind} H={n['H']} N={n['Nq']} d={n['d']}"
+    with open(dat, "w") as f:
+        for case in cases:
+            f.write(f"\"{label(case)}\"\t" + "\t".join(value.get((case, impl, p), "NaN")
+                                                 for impl, p, _ in bars) + "\n")
+    rel = os.path.relpath(dat, out_dir)
+    plotted = [f"'{rel}' using {k + 2}:xtic(1) title '{name}' lc rgb '{COLORS[k]}'"
+               for k, (_, _, name) in enumerate(bars)]
+    first = rows[0]
+    return histogram_script(
+        out, "Wall time per call, back to back (fp16; causal but decode; B = 1 unless given)"
+        f"\\n{{/*0.8 {first['device']}, CUDA {first['cuda']}, {first['date']}}}",
+        "set ylabel 'wall time per call (us)'\nset grid ytics\nset logscale y\n"
+        "set yrange [10:*]\n", plotted)
+
+
 def draw(result_dirs, out_dir, stage=None, cpu_plots=True):
     """Every plot, or with `stage` the per-stage form: that stage beside its predecessor."""
     os.makedirs(out_dir, exist_ok=True)
@@ -347,6 +386,7 @@ def draw(result_dirs, out_dir, stage=None, cpu_plots=True):
     if not only:
         scripts += [hopper_steps(d, out_dir) for d in result_dirs]
         scripts += [swizzle_switches(d, out_dir) for d in result_dirs]
+        scripts += [call_overhead(d, out_dir) for d in result_dirs]
     scripts = [s for s in scripts if s]
     if not shutil.which("gnuplot"):
         print(f"plots: gnuplot not found; data and scripts written to {out_dir}. Install it "
