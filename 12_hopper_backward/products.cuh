@@ -28,8 +28,9 @@ __host__ __device__ constexpr bool dq_split_by_box(int d) {
   return hb_rows(d) / DsBoxRows == HbConsumers;
 }
 /* Query tiles in flight: the copies of the next tiles run while tile t is multiplied. At
- * d = 128 three stages fit in 227 KiB and hide more of the copies' latency than two; at d = 64
- * a stage is twice the bytes (128 rows), and two is what fits. */
+ * d = 128 three stages fit in 227 KiB and hide more of the copies' latency than two; at d = 64,
+ * whose dS^T buffers are twice the bytes (128 queries), three would need 1,080 bytes more than
+ * a block may have, and two is what fits. */
 __host__ __device__ constexpr int hb_stages(int d) { return d > 64 ? 3 : 2; }
 /* dS^T buffers: 2, so that a warpgroup writes tile t + 1's while the other still reads tile
  * t's for dQ; the consumers then meet once a tile, not twice. */
