@@ -7,7 +7,6 @@ Rows of more than one device (say two CPU folders) are drawn as separate series,
 named with its device. Where gnuplot is missing the data and scripts are still written,
 and one line says how to install it."""
 import argparse
-import csv
 import glob
 import math
 import os
@@ -278,11 +277,9 @@ def swizzle_switches(result_dir, out_dir):
 # it is (the newest `package`) and as it was (each earlier one), beside SDPA flash and cuDNN
 # of the current package's process.
 def call_overhead(result_dir, out_dir):
-    path = os.path.join(result_dir, "call_overhead.tsv")
-    if not os.path.exists(path):
+    rows = attn.read_rows(os.path.join(result_dir, "call_overhead.tsv"))
+    if not rows:
         return None
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f, delimiter="\t"))
     packages = list(dict.fromkeys(r["package"] for r in rows))
     now = packages[0]
     bars = [("flash_stages", p, f"flash_stages {p}") for p in packages]
@@ -304,10 +301,9 @@ def call_overhead(result_dir, out_dir):
     rel = os.path.relpath(dat, out_dir)
     plotted = [f"'{rel}' using {k + 2}:xtic(1) title '{name}' lc rgb '{COLORS[k]}'"
                for k, (_, _, name) in enumerate(bars)]
-    first = rows[0]
     return histogram_script(
         out, "Wall time per call, back to back (fp16; causal but decode; B = 1 unless given)"
-        f"\\n{{/*0.8 {first['device']}, CUDA {first['cuda']}, {first['date']}}}",
+        f"\\n{{/*0.8 {stamp(rows)}}}",
         "set ylabel 'wall time per call (us)'\nset grid ytics\nset logscale y\n"
         "set yrange [10:*]\n", plotted)
 
