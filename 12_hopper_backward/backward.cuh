@@ -117,12 +117,18 @@ __global__ void __launch_bounds__(HbThreads, 1)
   constexpr int RowTile = HbRows * D; /* elements of a Q or dO tile */
 
   /* Causal blocks have unequal work: key block 0 meets every query tile. Ordered by key block
-   * across all heads, the heaviest start first (09's order); non-causal, a head's key blocks
-   * stay adjacent and share its Q and dO in L2. Either way a head's lower key blocks come
-   * first, which the deterministic path relies on. */
+   * across a group of CausalHeadGroup heads, the heaviest start first (09's order, within the
+   * group); non-causal, a head's key blocks stay adjacent and share its Q and dO in L2. Either
+   * way a head's lower key blocks come first, which the deterministic path relies on. */
   int key_blocks = (nkv + HbKeys - 1) / HbKeys;
-  long bh_kv = causal ? blockIdx.x % kv_heads : blockIdx.x / key_blocks;
-  int kb = (int)(causal ? blockIdx.x / kv_heads : blockIdx.x % key_blocks);
+  long bh_kv = blockIdx.x / key_blocks;
+  int kb = (int)(blockIdx.x % key_blocks);
+  if (causal) {
+    long heads = CausalHeadGroup > 0 ? CausalHeadGroup : kv_heads;
+    long first_head = blockIdx.x / (heads * key_blocks) * heads;
+    long in_group = min(heads, kv_heads - first_head), at = blockIdx.x - first_head * key_blocks;
+    bh_kv = first_head + at % in_group, kb = (int)(at / in_group);
+  }
   int j0 = kb * HbKeys, offset = nkv - nq;
   /* Under the causal mask the first query that sees key j0 is j0 - offset: the tiles before
    * its tile are skipped. Tiles start at multiples of HbRows, the same in every key block,

@@ -35,6 +35,15 @@ __host__ __device__ constexpr int hb_stages(int d) { return d > 64 ? 3 : 2; }
 /* dS^T buffers: 2, so that a warpgroup writes tile t + 1's while the other still reads tile
  * t's for dQ; the consumers then meet once a tile, not twice. */
 constexpr int HbDsBuffers = 2;
+/* Causal blocks go by key block across a group of 16 heads, not across every head: a wave of
+ * 132 SMs then holds about 8 key blocks of each of its heads, which walk the same query tiles
+ * a few tiles apart, so that their Q, dO and fp32 dQ tiles are read and added in L2. Across
+ * every head (0), a wave at N = 4096 holds one block a head, and each tile comes from DRAM
+ * once a block (the README's A/B table). */
+#ifndef ATTN_HB_CAUSAL_HEADS
+#define ATTN_HB_CAUSAL_HEADS 16
+#endif
+constexpr int CausalHeadGroup = ATTN_HB_CAUSAL_HEADS;
 constexpr int HbThreads = (1 + HbConsumers) * WarpgroupThreads;
 /* Named barriers: 0 is __syncthreads'; 1 joins the two consumer warpgroups, 2 + c one. */
 constexpr int ConsumersBarrier = 1, WarpgroupBarrier = 2;
