@@ -184,6 +184,25 @@ HOPPER_STEPS = [("09_swizzle_pipeline", "09 (mma.sync, cp.async)"),
                 ("sdpa_flash", "SDPA flash (FlashAttention-2)"), ("sdpa_cudnn", "SDPA cuDNN")]
 
 
+def steps_chart(rows, steps, out, title):
+    """A clustered bar chart of `steps` ([(stage, name)]) at every (d, N, causal) of `rows`."""
+    points = sorted({(int(r["d"]), int(r["Nq"]), r["causal"]) for r in rows})
+    value = {(r["stage"], int(r["d"]), int(r["Nq"]), r["causal"]): float(r["tflops"])
+             for r in rows}
+    data_dir = fresh_data_dir(out)
+    dat = os.path.join(data_dir, "steps.dat")
+    with open(dat, "w") as f:
+        for d, n, causal in points:
+            label = f"d={d} N={n // 1024}k{' causal' if causal == '1' else ''}"
+            f.write(f"\"{label}\"\t" + "\t".join(
+                str(value.get((stage, d, n, causal), "NaN")) for stage, _ in steps) + "\n")
+    rel = os.path.relpath(dat, os.path.dirname(out))
+    plotted = [f"'{rel}' using {k + 2}:xtic(1) title '{name}' lc rgb '{COLORS[k]}'"
+               for k, (_, name) in enumerate(steps)]
+    return histogram_script(out, f"{title}\\n{{/*0.8 {stamp(rows)}}}",
+                            "set ylabel 'TFLOP/s'\nset grid ytics\nset yrange [0:*]\n", plotted)
+
+
 def hopper_steps(result_dir, out_dir):
     path = os.path.join(result_dir, "10_hopper_wgmma-ab.tsv")
     if not os.path.exists(path):
@@ -193,24 +212,34 @@ def hopper_steps(result_dir, out_dir):
     if not runs:
         return None
     rows = [r for r in rows if r["run"] == runs[-1]]
-    points = sorted({(int(r["d"]), int(r["Nq"]), r["causal"]) for r in rows})
-    value = {(r["stage"], int(r["d"]), int(r["Nq"]), r["causal"]): float(r["tflops"])
-             for r in rows}
-    out = os.path.join(out_dir, "10_hopper_wgmma_steps.png")
-    data_dir = fresh_data_dir(out)
-    dat = os.path.join(data_dir, "steps.dat")
-    with open(dat, "w") as f:
-        for d, n, causal in points:
-            label = f"d={d} N={n // 1024}k{' causal' if causal == '1' else ''}"
-            f.write(f"\"{label}\"\t" + "\t".join(
-                str(value.get((stage, d, n, causal), "NaN")) for stage, _ in HOPPER_STEPS) + "\n")
-    rel = os.path.relpath(dat, out_dir)
-    plotted = [f"'{rel}' using {k + 2}:xtic(1) title '{name}' lc rgb '{COLORS[k]}'"
-               for k, (_, name) in enumerate(HOPPER_STEPS)]
-    return histogram_script(
-        out, "Stage 10, what each Hopper technique bought: forward TFLOP/s, fp16 "
-        f"(H = 2048/d, B = 16384/N), command {runs[-1]}\\n{{/*0.8 {stamp(rows)}}}",
-        "set ylabel 'TFLOP/s'\nset grid ytics\nset yrange [0:*]\n", plotted)
+    return steps_chart(rows, HOPPER_STEPS, os.path.join(out_dir, "10_hopper_wgmma_steps.png"),
+                       "Stage 10, what each Hopper technique bought: forward TFLOP/s, fp16 "
+                       f"(H = 2048/d, B = 16384/N), command {runs[-1]}")
+
+
+# Stage 12's technique steps: each step's program beside SDPA, backward, from the one command
+# of 12_hopper_backward-steps.tsv.
+BACKWARD_STEPS = [("12_hopper_backward:step:01", "1: 09 (mma.sync, cp.async)"),
+                  ("12_hopper_backward:step:02", "2: + TMA"),
+                  ("12_hopper_backward:step:03", "3: + wgmma"),
+                  ("12_hopper_backward:step:04", "4: + warp specialisation"),
+                  ("12_hopper_backward:step:05", "5: + third stage"),
+                  ("12_hopper_backward:step:06", "6: + early release"),
+                  ("12_hopper_backward:step:07", "7: + shared space, descriptors"),
+                  ("12_hopper_backward:step:08", "8: + dQ by box"),
+                  ("12_hopper_backward:step:09", "9: + mask split"),
+                  ("sdpa_flash", "SDPA flash (FlashAttention-2)"), ("sdpa_cudnn", "SDPA cuDNN")]
+
+
+def backward_steps(result_dir, out_dir):
+    path = os.path.join(result_dir, "12_hopper_backward-steps.tsv")
+    if not os.path.exists(path):
+        return None
+    rows = [r for r in attn.read_rows(path) if r["direction"] == "bwd" and r["dtype"] == "fp16"]
+    return steps_chart(rows, BACKWARD_STEPS,
+                       os.path.join(out_dir, "12_hopper_backward_steps.png"),
+                       "Stage 12, what each step bought: backward TFLOP/s, fp16 "
+                       "(H = 2048/d, B = 16384/N), one command")
 
 
 # Stage 09's A/B table: what the stage gains over each switch turned off alone, forward and
@@ -381,6 +410,7 @@ def draw(result_dirs, out_dir, stage=None, cpu_plots=True):
                  for s, g in sorted(groups.items())], stamp(sel)))
     if not only:
         scripts += [hopper_steps(d, out_dir) for d in result_dirs]
+        scripts += [backward_steps(d, out_dir) for d in result_dirs]
         scripts += [swizzle_switches(d, out_dir) for d in result_dirs]
         scripts += [call_overhead(d, out_dir) for d in result_dirs]
     scripts = [s for s in scripts if s]
