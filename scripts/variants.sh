@@ -17,6 +17,11 @@
 # of the sources, flags and arch it was built from); one whose key still matches is timed as
 # it is, not rebuilt. VARIANT_BUILD_ONLY=1 only builds them, for VARIANT_ARCH (e.g. 90), so
 # that a machine without a GPU can compile what a GPU machine then only times.
+# VARIANT_ALTERNATE=1 times the variants point by point (every variant at one shape, then the
+# next shape), so that a drift of the GPU over the command falls on all of them alike; without
+# it each variant's points run together. VARIANT_INPUTS=DIR writes each shape's inputs once
+# (the base program, --check-finite --save DIR/dD_nN) and times every run on them (--load):
+# the same inputs as generating them, without each run spending seconds on the generator.
 set -euo pipefail
 stage=${1:?usage: variants.sh STAGE OUT_DIR [LABEL=FLAGS ...]}
 out=${2:?usage: variants.sh STAGE OUT_DIR [LABEL=FLAGS ...]}
@@ -35,8 +40,10 @@ if [ -n "${VARIANT_ARCH:-}" ]; then
 else
   arch=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d .)
 fi
+labels=()
 for variant in "base=" "$@"; do
   label=${variant%%=*} flags=${variant#*=}
+  labels+=("$label")
   bin="$bins/$stage-$label"
   # A kept binary is reused only if built from these very sources, flags and arch.
   # attention.cu includes the stage's pass files, and earlier stages'; the stage folders only
@@ -60,23 +67,59 @@ for variant in "base=" "$@"; do
     fi || { echo "variants.sh: $stage-$label ($flags) did not build; stopped" >&2; exit 1; }
     echo "$key" > "$bin.key"
   fi
-  [ -n "${VARIANT_BUILD_ONLY:-}" ] && continue
-  rows="$out/$label.raw.tsv" # written row by row, so that a run stopped early keeps its rows
-  rm -f "$rows"
+done
+[ -n "${VARIANT_BUILD_ONLY:-}" ] && exit 0
+
+inputs=${VARIANT_INPUTS:-}
+if [ -n "$inputs" ]; then
+  for d in ${VARIANT_DIMS:-64 128}; do
+    for n in ${VARIANT_SEQ:-4096 16384}; do
+      dir="$inputs/d${d}_n$n"
+      [ -f "$dir/q.npy" ] && continue
+      rm -rf "$dir"
+      "$bins/$stage-base" -b $((16384 / n)) -H $((2048 / d)) -n "$n" -d "$d" \
+        --dtype "${VARIANT_DTYPE:-fp16}" ${BACKWARD:+--backward} --check-finite --save "$dir" \
+        > /dev/null || {
+        echo "variants.sh: writing the inputs at d = $d, N = $n failed; stopped" >&2
+        exit 1
+      }
+    done
+  done
+fi
+for label in "${labels[@]}"; do rm -f "$out/$label.raw.tsv"; done
+# One timed run: its row goes to OUT_DIR/LABEL.raw.tsv, written row by row, so that a command
+# stopped early keeps its rows.
+time_point() {
+  local label=$1 d=$2 n=$3 causal=$4 rows="$out/$1.raw.tsv"
+  local source=(-b $((16384 / n)) -H $((2048 / d)) -n "$n" -d "$d")
+  [ -n "$inputs" ] && source+=(--load "$inputs/d${d}_n$n")
+  [ -n "$causal" ] && source+=("$causal")
+  "$bins/$stage-$label" "${source[@]}" --dtype "${VARIANT_DTYPE:-fp16}" --bench \
+    ${BACKWARD:+--backward} --tsv "$rows" | awk -v label="$label: " '{ print label $0 }' || {
+    echo "variants.sh: $stage-$label failed at d = $d, N = $n ${causal:-non-causal};" \
+      "its rows so far are in $rows; stopped" >&2
+    exit 1
+  }
+}
+if [ -n "${VARIANT_ALTERNATE:-}" ]; then
   for d in ${VARIANT_DIMS:-64 128}; do
     for n in ${VARIANT_SEQ:-4096 16384}; do
       for causal in "" --causal; do
-        "$bin" -b $((16384 / n)) -H $((2048 / d)) -n "$n" -d "$d" $causal \
-          --dtype "${VARIANT_DTYPE:-fp16}" --bench ${BACKWARD:+--backward} --tsv "$rows" |
-          awk -v label="$label: " '{ print label $0 }' || {
-          echo "variants.sh: $stage-$label failed at d = $d, N = $n ${causal:-non-causal};" \
-            "its rows so far are in $rows; stopped" >&2
-          exit 1
-        }
+        for label in "${labels[@]}"; do time_point "$label" "$d" "$n" "$causal"; done
       done
     done
   done
+else
+  for label in "${labels[@]}"; do
+    for d in ${VARIANT_DIMS:-64 128}; do
+      for n in ${VARIANT_SEQ:-4096 16384}; do
+        for causal in "" --causal; do time_point "$label" "$d" "$n" "$causal"; done
+      done
+    done
+  done
+fi
+for label in "${labels[@]}"; do
   awk -v name="$stage:$label" 'BEGIN { FS = OFS = "\t" } NR > 1 { $1 = name } { print }' \
-    "$rows" > "$out/$label.tsv"
-  rm -f "$rows"
+    "$out/$label.raw.tsv" > "$out/$label.tsv"
+  rm -f "$out/$label.raw.tsv"
 done
