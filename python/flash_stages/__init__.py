@@ -249,13 +249,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if fallback:
             return _fallback(q, k, v, is_causal, scale, enable_gqa, why, attn_mask, dropout_p)
         raise FlashStagesError(why)
-    d = q.shape[-1]
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    if not math.isfinite(scale):
-        raise FlashStagesError(f"scale must be a finite number, got {scale}")
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     named = stage is not None
-    stage, why = _choose_stage(q, k, v, is_causal, enable_gqa, needs_grad, stage)
+    scale, needs_grad, stage, why = _plan(q, k, v, scale, "scale", is_causal, enable_gqa, stage)
     if why is not None:
         if fallback:
             return _fallback(q, k, v, is_causal, scale, enable_gqa, why)
@@ -265,6 +260,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         return torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
     o, _ = _attention(q, k, v, stage, bool(is_causal), scale, False, needs_grad)
     return o
+
+
+def _plan(q, k, v, scale, scale_name, is_causal, enable_gqa, stage):
+    """What both entries settle before running: the softmax scale (1/sqrt(d) unless given),
+    whether autograd will want the backward, and the stage (None and why, where none fits)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if not math.isfinite(scale):
+        raise FlashStagesError(f"{scale_name} must be a finite number, got {scale}")
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    stage, why = _choose_stage(q, k, v, is_causal, enable_gqa, needs_grad, stage)
+    return scale, needs_grad, stage, why
 
 
 def _choose_stage(q, k, v, is_causal, enable_gqa, needs_grad, stage):
@@ -324,13 +330,9 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     why = _check_inputs(qh, kh, vh, True)
     if why is not None:
         raise FlashStagesError(f"{why} (q, k, v given as [B, S, H, d], read as [B, H, S, d])")
-    d = q.shape[-1]
-    scale = 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
-    if not math.isfinite(scale):
-        raise FlashStagesError(f"softmax_scale must be a finite number, got {scale}")
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     named = stage is not None
-    stage, why = _choose_stage(qh, kh, vh, causal, True, needs_grad, stage)
+    scale, needs_grad, stage, why = _plan(qh, kh, vh, softmax_scale, "softmax_scale", causal, True,
+                                          stage)
     if why is not None:
         raise FlashStagesError(why if named else f"no loaded stage computes this call: {why}")
     if q.numel() == 0 or k.numel() == 0:  # as scaled_dot_product_attention: an empty sum
