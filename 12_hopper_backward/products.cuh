@@ -172,18 +172,27 @@ __device__ void probabilities_t(float (*s)[4], const float *lse_s, float scale_l
     p_frag[n / 2][2 * (n % 2) + 1] = pack2(s[n][2], s[n][3], T());
   }
 }
-/* The two values of a packed pair, low half first. */
-__device__ float2 unpack2(unsigned x, __half) {
-  return __half22float2(*reinterpret_cast<const __half2 *>(&x));
+/* The product of two packed pairs, element by element, rounded to nearest even. */
+__device__ unsigned mul2(unsigned a, unsigned b, __half) {
+  __half2 r =
+      __hmul2(*reinterpret_cast<const __half2 *>(&a), *reinterpret_cast<const __half2 *>(&b));
+  return *reinterpret_cast<unsigned *>(&r);
 }
-__device__ float2 unpack2(unsigned x, __nv_bfloat16) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162 *>(&x));
+__device__ unsigned mul2(unsigned a, unsigned b, __nv_bfloat16) {
+  __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162 *>(&a),
+                             *reinterpret_cast<const __nv_bfloat162 *>(&b));
+  return *reinterpret_cast<unsigned *>(&r);
 }
 
 /* dS^T = P^T (dP^T ds_scale - D_i ds_scale), D ds_scale from the row stats, packed as the A
- * operands of dK += dS^T Q (see 09's probabilities_and_ds). P^T is read back from its packed
- * operands, so that its fp32 values need no registers while dP^T is computed: at d = 128 the
- * warpgroup holds dK and dV (128 registers a thread) besides. */
+ * operands of dK += dS^T Q (see 09's probabilities_and_ds). P^T stays in its packed operands,
+ * so that its fp32 values need no registers while dP^T is computed (at d = 128 the warpgroup
+ * holds dK and dV, 128 registers a thread, besides), and the product is taken in pairs there:
+ * dP^T ds_scale - D ds_scale is rounded to the dtype and multiplied by the pair of P^T, one
+ * packed multiply for two elements in place of unpacking P^T and two fp32 multiplies. dS^T is
+ * rounded twice (the difference, then the product): below 1.5 units in the last place of the
+ * dtype, against 0.5. The dtype's range holds the difference: ds_scale bounds it as it bounds
+ * dS. */
 template <int ROWS, typename T>
 __device__ void ds_t(const unsigned (*p_frag)[4], const float (*dp)[4], const float *delta_s,
                      float dss, unsigned (*ds_frag)[4]) {
@@ -191,13 +200,10 @@ __device__ void ds_t(const unsigned (*p_frag)[4], const float (*dp)[4], const fl
 #pragma unroll
   for (int n = 0; n < ROWS / MmaN; n++) {
     float2 dd = *reinterpret_cast<const float2 *>(delta_s + n * MmaN + 2 * tq);
-    float2 p01 = unpack2(p_frag[n / 2][2 * (n % 2)], T());
-    float2 p23 = unpack2(p_frag[n / 2][2 * (n % 2) + 1], T());
-    float p[4] = {p01.x, p01.y, p23.x, p23.y}, ds[4];
-#pragma unroll
-    for (int e = 0; e < 4; e++) ds[e] = p[e] * fmaf(dp[n][e], dss, e % 2 ? -dd.y : -dd.x);
-    ds_frag[n / 2][2 * (n % 2)] = pack2(ds[0], ds[1], T());
-    ds_frag[n / 2][2 * (n % 2) + 1] = pack2(ds[2], ds[3], T());
+    unsigned d01 = pack2(fmaf(dp[n][0], dss, -dd.x), fmaf(dp[n][1], dss, -dd.y), T());
+    unsigned d23 = pack2(fmaf(dp[n][2], dss, -dd.x), fmaf(dp[n][3], dss, -dd.y), T());
+    ds_frag[n / 2][2 * (n % 2)] = mul2(p_frag[n / 2][2 * (n % 2)], d01, T());
+    ds_frag[n / 2][2 * (n % 2) + 1] = mul2(p_frag[n / 2][2 * (n % 2) + 1], d23, T());
   }
 }
 /* dS^T into shared memory for dQ = dS K, in boxes of DsBoxRows queries: row (key) r of the

@@ -72,6 +72,7 @@ done
 
 inputs=${VARIANT_INPUTS:-}
 if [ -n "$inputs" ]; then
+  mkdir -p "$inputs" # --save makes the shape's folder, not its parents
   for d in ${VARIANT_DIMS:-64 128}; do
     for n in ${VARIANT_SEQ:-4096 16384}; do
       dir="$inputs/d${d}_n$n"
