@@ -11,9 +11,9 @@ set yrange [0.0001:10000]
 set xrange [-0.6:19.6]
 plot 'ladder_data/bars.dat' using 1:2:xtic(3) with boxes fs solid 0.7 lc rgb '#1b9e77' notitle, \
      'ladder_data/bars.dat' using 1:($2*1.15):(sprintf('%.3g', $2)) with labels notitle, \
-     474.44 with lines dt 2 lw 2 lc rgb '#d95f02' title 'PyTorch sdpa_cudnn fp16 474' noenhanced, \
-     445.17 with lines dt 2 lw 2 lc rgb '#7570b3' title 'PyTorch sdpa_cudnn bf16 445' noenhanced, \
-     302.7 with lines dt 2 lw 2 lc rgb '#e7298a' title 'PyTorch sdpa_flash fp16 303' noenhanced, \
-     295.85 with lines dt 2 lw 2 lc rgb '#66a61e' title 'PyTorch sdpa_flash bf16 296' noenhanced, \
+     444.37 with lines dt 2 lw 2 lc rgb '#d95f02' title 'PyTorch sdpa_cudnn fp16 444' noenhanced, \
+     438.34 with lines dt 2 lw 2 lc rgb '#7570b3' title 'PyTorch sdpa_cudnn bf16 438' noenhanced, \
+     301.89 with lines dt 2 lw 2 lc rgb '#e7298a' title 'PyTorch sdpa_flash fp16 302' noenhanced, \
+     300.16 with lines dt 2 lw 2 lc rgb '#66a61e' title 'PyTorch sdpa_flash bf16 300' noenhanced, \
      130.39 with lines dt 2 lw 2 lc rgb '#e6ab02' title 'PyTorch sdpa_efficient fp16 130' noenhanced, \
      35.44 with lines dt 2 lw 2 lc rgb '#a6761d' title 'PyTorch sdpa_efficient fp32 35' noenhanced
