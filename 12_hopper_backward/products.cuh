@@ -39,7 +39,7 @@ constexpr int HbDsBuffers = 2;
  * 132 SMs then holds about 8 key blocks of each of its heads, which walk the same query tiles
  * a few tiles apart, so that their Q, dO and fp32 dQ tiles are read and added in L2. Across
  * every head (0), a wave at N = 4096 holds one block a head, and each tile comes from DRAM
- * once a block (the README's command G). */
+ * once a block (command G in docs/techniques.md). */
 #ifndef ATTN_HB_CAUSAL_HEADS
 #define ATTN_HB_CAUSAL_HEADS 16
 #endif
