@@ -32,7 +32,7 @@ torch tensor), no synchronisation, and only asynchronous memsets on the current 
 replay repeats the captured launches: the harness's variables (ATTN_DETERMINISTIC, ...) as
 they were at capture, and last_call is not updated.
 """
-import contextlib
+import collections.abc
 import math
 import os
 import re
@@ -105,9 +105,73 @@ if not _LIBS:
                   "-DATTN_PYTHON=ON && cmake --build build` in the repository, or set "
                   "FLASH_STAGES_LIB_DIR to the folder that holds libattn_<stage>.so",
                   stacklevel=2)
-# The pointers and shape of the last kernel call, so that a test can see that the kernels
-# read and wrote PyTorch's own tensors.
-last_call = {}
+
+
+def _load_operators():
+    """The operators registered from C++ (python/csrc/operators.cpp, libflash_stages_operators.so
+    beside the stage libraries), where they were built for this torch: True once loaded and
+    every stage registered with them. FLASH_STAGES_PYTHON_OPERATORS=1 keeps the Python ones."""
+    if LIBRARY_DIR is None or os.environ.get("FLASH_STAGES_PYTHON_OPERATORS") == "1":
+        return False
+    path = os.path.join(LIBRARY_DIR, "libflash_stages_operators.so")
+    try:
+        with open(path[:-len(".so")] + ".torch") as f:
+            built_for = f.read().strip()
+    except OSError:  # not built (no torch where the libraries were built)
+        return False
+    if built_for != torch.__version__:
+        warnings.warn(f"flash_stages: {path} was built for torch {built_for}, this is "
+                      f"{torch.__version__}: the Python operators run instead (rebuild: cmake "
+                      "--build build --target python_package)", stacklevel=3)
+        return False
+    torch.ops.load_library(path)
+    for lib in _LIBS.values():
+        torch.ops.flash_stages.register_stage(lib.name, *lib.entry_points())
+    return True
+
+
+_OPERATORS = _load_operators()
+
+
+class _LastCall(collections.abc.Mapping):
+    """The stage, direction and buffer pointers of the last kernel call, so that a test can see
+    that the kernels read and wrote PyTorch's own tensors: kept by the C++ operators where
+    they run, by the Python ones otherwise."""
+    _NAMES = {"forward": ("q", "k", "v", "o", "lse"),
+              "backward": ("q", "k", "v", "d_o", "dq", "dk", "dv")}
+
+    def __init__(self):
+        self._python = {}
+
+    def _call(self):
+        if not _OPERATORS:
+            return self._python
+        stage, direction, pointers = torch.ops.flash_stages.last_call()
+        if not direction:
+            return {}
+        return dict(stage=stage, direction=direction,
+                    **dict(zip(self._NAMES[direction], pointers)))
+
+    def _record(self, **call):
+        self._python = call
+
+    def __getitem__(self, key):
+        return self._call()[key]
+
+    def __iter__(self):
+        return iter(self._call())
+
+    def __len__(self):
+        return len(self._call())
+
+    def copy(self):
+        return dict(self._call())
+
+    def __repr__(self):
+        return repr(self._call())
+
+
+last_call = _LastCall()
 
 
 def stages():
@@ -239,6 +303,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     fallback: True sends what the stage cannot compute to torch SDPA (with a warning) instead
     of raising FlashStagesError."""
     q, k, v = query, key, value
+    planned = None
+    if attn_mask is None and not dropout_p and type(q) is type(k) is type(v) is torch.Tensor:
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
+                                                  v.requires_grad)
+        planned = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
+                   v.device, is_causal, scale, enable_gqa, stage, needs_grad)
+        plan = _PLANNED.get(planned)
+        if plan is not None:
+            return _attention(q, k, v, plan[1], bool(is_causal), plan[0], False, needs_grad)[0]
     why = _check_inputs(q, k, v, enable_gqa)
     if why is not None:
         if fallback and all(isinstance(t, torch.Tensor) for t in (q, k, v)):
@@ -258,8 +331,22 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if q.numel() == 0 or k.numel() == 0:
         # Nothing for a kernel to do; SDPA's answer for empty keys is an empty sum: zeros.
         return torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
+    if planned is not None:
+        _remember_plan(planned, scale, stage)
     o, _ = _attention(q, k, v, stage, bool(is_causal), scale, False, needs_grad)
     return o
+
+
+# The scale and stage of calls already checked and planned, by everything the checks and the
+# stage choice read (shapes, dtypes, devices and the arguments), so that a repeated call (a
+# model's layers, a decode loop) skips them: 6 us of a call of 20 on a small problem.
+_PLANNED, _PLANNED_ENTRIES = {}, 4096
+
+
+def _remember_plan(key, scale, stage):
+    if len(_PLANNED) >= _PLANNED_ENTRIES:  # a decode loop's growing caches: start over
+        _PLANNED.clear()
+    _PLANNED[key] = (scale, stage)
 
 
 def _plan(q, k, v, scale, scale_name, is_causal, enable_gqa, stage):
@@ -273,12 +360,25 @@ def _plan(q, k, v, scale, scale_name, is_causal, enable_gqa, stage):
     return scale, needs_grad, stage, why
 
 
+# Stage 11's decode path takes a forward whose group of query rows fills one block (G Nq <= 16
+# at d <= 64, 32 at d = 128: decode_shaped in its decode.cuh). There 11 comes first: it splits
+# the keys over the SMs, where the other stages give a block to each 64 or more query rows
+# of a head and leave most SMs idle.
+_DECODE_STAGE = "11_split_kv_decode"
+_DECODE_ORDER = (_DECODE_STAGE,) + tuple(s for s in PREFERENCE if s != _DECODE_STAGE)
+
+
+def _decode_shaped(q, k):
+    return q.shape[1] // k.shape[1] * q.shape[2] <= (32 if q.shape[3] > 64 else 16)
+
+
 def _choose_stage(q, k, v, is_causal, enable_gqa, needs_grad, stage):
     """(the stage to run, None), or (None, why): why the named stage, or every stage of
     PREFERENCE that loaded, cannot compute the call."""
     if stage is None:
         reasons = []
-        for name in PREFERENCE:
+        order = _DECODE_ORDER if not needs_grad and _decode_shaped(q, k) else PREFERENCE
+        for name in order:
             if name in _INFO:
                 why = _unsupported(_INFO[name], q, k, v, is_causal, enable_gqa, needs_grad)
                 if why is None:
@@ -295,9 +395,19 @@ def _choose_stage(q, k, v, is_causal, enable_gqa, needs_grad, stage):
 
 
 def _attention(q, k, v, stage, causal, scale, deterministic, needs_grad):
-    """O and LSE from the stage. torch.compile traces the operator; eager calls skip its
-    dispatch: without a gradient to record they call the forward itself, with one they take
-    the autograd.Function."""
+    """O and LSE from the stage, through the C++ operator where it loaded (its autograd
+    formula is C++ too: a refusal in the backward is the library's ValueError, of which
+    FlashStagesError is a kind). Otherwise torch.compile traces the Python operator, and eager
+    calls skip its dispatch: without a gradient to record they call the forward itself, with
+    one they take the autograd.Function."""
+    if _OPERATORS:
+        if torch.compiler.is_compiling():
+            return _cpp_forward(q, k, v, stage, causal, scale, deterministic)
+        _check_environment()
+        try:
+            return _cpp_forward(q, k, v, stage, causal, scale, deterministic)
+        except ValueError as e:  # the library's 2 or 77: what this device cannot run
+            raise FlashStagesError(str(e)) from None
     if torch.compiler.is_compiling():
         return _forward_op(q, k, v, stage, causal, scale, deterministic)
     if not needs_grad:
@@ -361,21 +471,44 @@ def _in_kernel_layout(t):
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
-@contextlib.contextmanager
-def _on_device(device):
-    """Library calls with `device` current (the stages launch on the current device, and
-    stage 11 plans its decode split from it), their failures as exceptions: where the stage
-    program would exit, the library returns its exit code and line. 2 (what this device
-    cannot run: tiles past its shared memory) and 77 (a stage built for another GPU) raise
-    FlashStagesError, 1 (a CUDA error) RuntimeError."""
-    try:
-        if device.index is None or device.index == torch.cuda.current_device():
-            yield torch.cuda.current_stream(device).cuda_stream
-        else:
-            with torch.cuda.device(device):
-                yield torch.cuda.current_stream(device).cuda_stream
-    except _library.StageLibraryError as e:
-        raise (FlashStagesError if e.code in (2, 77) else RuntimeError)(str(e)) from None
+# PyTorch's current stream of a device as a cudaStream_t: the private call that torch.compile's
+# generated code uses (0.1 us; torch.cuda.current_stream builds a Stream object, 4-5 us).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream(index):
+    if _raw_stream is not None:
+        return _raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
+
+class _OnDevice:
+    """Library calls with the tensor's device current (the stages launch on the current
+    device, and stage 11 plans its decode split from it), their failures as exceptions:
+    where the stage program would exit, the library returns its exit code and line. 2 (what
+    this device cannot run: tiles past its shared memory) and 77 (a stage built for another
+    GPU) raise FlashStagesError, 1 (a CUDA error) RuntimeError. `with` gives the device's
+    index and its current stream. A class, not a generator-based context manager: it is on
+    every call's path, and costs a third as much."""
+    __slots__ = ("index", "guard")
+
+    def __init__(self, tensor):
+        self.index = tensor.get_device()
+        self.guard = None
+
+    def __enter__(self):
+        if self.index != torch.cuda.current_device():
+            self.guard = torch.cuda.device(self.index)
+            self.guard.__enter__()
+        return self.index, _current_stream(self.index)
+
+    def __exit__(self, kind, error, trace):
+        if self.guard is not None:
+            self.guard.__exit__(kind, error, trace)
+        if isinstance(error, _library.StageLibraryError):
+            raise (FlashStagesError if error.code in (2, 77) else RuntimeError)(
+                str(error)) from None
+        return False
 
 
 # Stage 11's decode tile (DecodeKeys in its attention.cu): a forced chunk is whole tiles.
@@ -387,7 +520,16 @@ _ENVIRONMENT = ("ATTN_DETERMINISTIC", "ATTN_SHARED_MEMORY_LIMIT", "ATTN_SHARED_M
 _checked_environment = None  # the values last found good
 
 
+# os.environ's own table (bytes on POSIX), read directly: five os.environ.get calls, each
+# encoding its key, cost 4 us a call.
+_ENVIRONMENT_KEYS = tuple(os.environ.encodekey(name) for name in _ENVIRONMENT) \
+    if hasattr(os.environ, "encodekey") and hasattr(os.environ, "_data") else None
+
+
 def _environment():
+    if _ENVIRONMENT_KEYS is not None:
+        data = os.environ._data
+        return tuple(data.get(key) for key in _ENVIRONMENT_KEYS)
     return tuple(os.environ.get(name) for name in _ENVIRONMENT)
 
 
@@ -420,48 +562,61 @@ def _check_environment():
     _checked_environment = values
 
 
-# Workspace bytes by (stage, direction, problem, device, environment): the libraries compute
-# them from the problem, the device and the variables above (stage 11's decode plan), so a
-# repeated shape asks once.
-_WORKSPACE, _WORKSPACE_ENTRIES = {}, 4096
+# What a repeated call needs from the library once, by (stage, direction, shapes, causal,
+# scale, dtype, device, environment): the attn_problem (the library only reads it) and the
+# workspace bytes, which the libraries compute from the problem, the device and the variables
+# above (stage 11's decode plan).
+_PLANS, _PLAN_ENTRIES = {}, 4096
 
 
-def _workspace_bytes(lib, direction, p, device):
-    key = (lib.name, direction, p.batch, p.heads, p.seq_q, p.seq_kv, p.head_dim, p.causal,
-           p.dtype, p.heads_kv, device.index, _checked_environment)
-    if key not in _WORKSPACE:
-        if len(_WORKSPACE) >= _WORKSPACE_ENTRIES:  # a decode loop's growing caches: start over
-            _WORKSPACE.clear()
+def _plan_call(lib, direction, q, k, causal, scale, index):
+    """(attn_problem, workspace bytes) for this call; the device must be current."""
+    key = (lib.name, direction, q.shape, k.shape, causal, scale, q.dtype, index,
+           _checked_environment)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _PLAN_ENTRIES:  # a decode loop's growing caches: start over
+            _PLANS.clear()
+        p = _problem(q, k, causal, scale)
         fn = lib.forward_workspace if direction == "forward" else lib.backward_workspace
-        _WORKSPACE[key] = fn(p)
-    return _WORKSPACE[key]
+        plan = _PLANS[key] = (p, fn(p))
+    return plan
+
+
+def _workspace(q, size):
+    """The workspace as a torch tensor (PyTorch's caching allocator, so a call can be
+    captured in a CUDA graph), or None for a stage that needs none."""
+    return torch.empty(size, dtype=torch.uint8, device=q.device) if size else None
 
 
 _OP_OPTIONS = {}
+# The Python operators are flash_stages::forward and ::backward where the C++ ones did not
+# load; beside the C++ ones (which own those names) they are registered under another name,
+# unused, so that FLASH_STAGES_PYTHON_OPERATORS=1 and the C++ build run the same code above.
+_PYTHON_NAMESPACE = "flash_stages_python" if _OPERATORS else "flash_stages"
+_cpp_forward = torch.ops.flash_stages.forward.default if _OPERATORS else None
 
 
 def _run_forward(q, k, v, stage, causal, scale):
     """O and LSE of one call: the body of the forward operator and of _Attention."""
     _check_environment()  # before forward_workspace, which reads them at stage 11's decode
     lib = _LIBS[stage]
-    q, k, v = (_in_kernel_layout(t) for t in (q, k, v))
+    q, k, v = _in_kernel_layout(q), _in_kernel_layout(k), _in_kernel_layout(v)
     o = torch.empty_like(q)
-    lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    p = _problem(q, k, causal, scale)
-    with _on_device(q.device) as stream:
-        ws = torch.empty(_workspace_bytes(lib, "forward", p, q.device), dtype=torch.uint8,
-                         device=q.device)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    with _OnDevice(q) as (index, stream):
+        p, size = _plan_call(lib, "forward", q, k, causal, scale, index)
+        ws = _workspace(q, size)
         bufs = _library.Buffers(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
                                 lse.data_ptr(), None, None, None, None,
-                                ws.data_ptr() if ws.numel() else None)
-        last_call.clear()
-        last_call.update(stage=stage, direction="forward", q=q.data_ptr(), k=k.data_ptr(),
-                         v=v.data_ptr(), o=o.data_ptr(), lse=lse.data_ptr())
+                                ws.data_ptr() if ws is not None else None)
+        last_call._record(stage=stage, direction="forward", q=bufs.q, k=bufs.k, v=bufs.v,
+                         o=bufs.o, lse=bufs.lse)
         lib.forward(p, bufs, stream)
     return o, lse
 
 
-@torch.library.custom_op("flash_stages::forward", mutates_args=(), device_types="cuda",
+@torch.library.custom_op(f"{_PYTHON_NAMESPACE}::forward", mutates_args=(), device_types="cuda",
                          **_OP_OPTIONS)
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage: str, causal: bool,
                 scale: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -480,26 +635,23 @@ def _run_backward(d_o, q, k, v, o, lse, stage, causal, scale, deterministic):
     lib = _LIBS[stage]
     d_o, q, k, v, o = (_in_kernel_layout(t) for t in (d_o, q, k, v, o))
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    p = _problem(q, k, causal, scale)
     # The call's deterministic=True or torch's deterministic mode asks the stage for its
     # deterministic dQ path (09-12), as ATTN_DETERMINISTIC=1 in the environment does, which
     # is left as the caller set it.
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    with _on_device(q.device) as stream:
-        ws = torch.empty(_workspace_bytes(lib, "backward", p, q.device), dtype=torch.uint8,
-                         device=q.device)
+    with _OnDevice(q) as (index, stream):
+        p, size = _plan_call(lib, "backward", q, k, causal, scale, index)
+        ws = _workspace(q, size)
         bufs = _library.Buffers(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
                                 lse.data_ptr(), d_o.data_ptr(), dq.data_ptr(), dk.data_ptr(),
-                                dv.data_ptr(), ws.data_ptr() if ws.numel() else None)
-        last_call.clear()
-        last_call.update(stage=stage, direction="backward", q=q.data_ptr(), k=k.data_ptr(),
-                         v=v.data_ptr(), d_o=d_o.data_ptr(), dq=dq.data_ptr(),
-                         dk=dk.data_ptr(), dv=dv.data_ptr())
+                                dv.data_ptr(), ws.data_ptr() if ws is not None else None)
+        last_call._record(stage=stage, direction="backward", q=bufs.q, k=bufs.k, v=bufs.v,
+                         d_o=bufs.d_o, dq=bufs.dq, dk=bufs.dk, dv=bufs.dv)
         lib.run_backward(p, bufs, stream, deterministic)
     return dq, dk, dv
 
 
-@torch.library.custom_op("flash_stages::backward", mutates_args=(), device_types="cuda",
+@torch.library.custom_op(f"{_PYTHON_NAMESPACE}::backward", mutates_args=(), device_types="cuda",
                          **_OP_OPTIONS)
 def _backward_op(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, lse: torch.Tensor, stage: str, causal: bool, scale: float,

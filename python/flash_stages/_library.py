@@ -92,6 +92,13 @@ class StageLibrary:
         self.gqa = bool(s.has_gqa)
         self.gqa_backward = bool(s.has_gqa_backward)
 
+    def entry_points(self):
+        """The addresses of the forward and backward workspace, forward, backward and error
+        entry points, in that order, for the C++ operators (flash_stages::register_stage)."""
+        return tuple(ctypes.cast(getattr(self.lib, fn), ctypes.c_void_p).value for fn in (
+            "attn_library_forward_workspace", "attn_library_backward_workspace",
+            "attn_library_forward", "attn_library_backward", "attn_library_error"))
+
     def error(self):
         """The line of this thread's last failed call, as the stage program would print it."""
         return self.lib.attn_library_error().decode(errors="replace")

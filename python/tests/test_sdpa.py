@@ -515,8 +515,9 @@ def test_bad_environment_is_an_error(monkeypatch, name, value):
 @pytest.mark.parametrize("stage", HALF)
 def test_device_refusal_is_an_error(monkeypatch, stage):
     """Where the stage program exits 2 inside a pass (here every tile needs more shared memory
-    than ATTN_SHARED_MEMORY_LIMIT allows), the call raises FlashStagesError with the program's
-    line and the process goes on: the same calls then run and give the same outputs."""
+    than ATTN_SHARED_MEMORY_LIMIT allows), the call raises FlashStagesError (in the backward,
+    a ValueError) with the program's line and the process goes on: the same calls then run
+    and give the same outputs."""
     q, k, v, d_o = inputs((1, 2, 64, 64, 64, False), torch.float16)
     want = run_stage(stage, q, k, v, d_o, False)
     monkeypatch.setenv("ATTN_SHARED_MEMORY_LIMIT", "1024")
@@ -526,7 +527,9 @@ def test_device_refusal_is_an_error(monkeypatch, stage):
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
     o = fs.scaled_dot_product_attention(qg, kg, vg, stage=stage)
     monkeypatch.setenv("ATTN_SHARED_MEMORY_LIMIT", "1024")
-    with pytest.raises(fs.FlashStagesError, match=r"bytes of shared memory.*\(in the backward\)"):
+    # The backward runs inside autograd, where the C++ operators' refusal is the ValueError
+    # of which FlashStagesError is a kind (the Python operators raise FlashStagesError).
+    with pytest.raises(ValueError, match=r"bytes of shared memory.*\(in the backward\)"):
         torch.autograd.grad(o, (qg, kg, vg), d_o)
     monkeypatch.delenv("ATTN_SHARED_MEMORY_LIMIT")
     got = run_stage(stage, q, k, v, d_o, False)
@@ -652,3 +655,22 @@ def test_fallback_says_so_once_and_keeps_the_alignment():
     got = fs.scaled_dot_product_attention(qc, kc, kc, attn_mask=keep_c, fallback=True)
     want = torch.nn.functional.scaled_dot_product_attention(qc, kc, kc, attn_mask=keep_c)
     assert torch.allclose(got, want, equal_nan=True)
+
+
+def test_cpp_operators_run_where_built():
+    """Where the C++ operators were built for this torch (libflash_stages_operators.so and its
+    .torch beside the stage libraries), the package runs them, unless
+    FLASH_STAGES_PYTHON_OPERATORS=1 asks for the Python ones (CTest runs the suite both ways):
+    a build whose operators silently failed to load would otherwise test only the Python
+    path."""
+    built = os.path.join(fs.LIBRARY_DIR, "libflash_stages_operators.torch")
+    python_asked = os.environ.get("FLASH_STAGES_PYTHON_OPERATORS") == "1"
+    if python_asked or not os.path.exists(built):
+        assert not fs._OPERATORS
+        return
+    with open(built) as f:
+        assert f.read().strip() == torch.__version__, "built for another torch"
+    assert fs._OPERATORS
+    q, k, v, _ = inputs((1, 2, 64, 64, 64, False), torch.float16)
+    fs.scaled_dot_product_attention(q, k, v)
+    assert torch.ops.flash_stages.last_call()[1] == "forward"

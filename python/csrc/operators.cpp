@@ -1,0 +1,287 @@
+/* The package's operators, flash_stages::forward and flash_stages::backward, registered from
+ * C++. Python's definitions of the same operators (flash_stages/__init__.py) cost a call tens
+ * of microseconds of host time: ctypes, the tensors' metadata read one Python call at a
+ * time, and a backward that runs Python on autograd's thread. Here a call costs what a
+ * built-in operator's does, the dispatcher's and autograd's own work plus the stage's.
+ *
+ * The kernels are the stage libraries' (common/stage_library.cu), the same ones Python loads:
+ * at import, Python hands each library's entry points to flash_stages::register_stage, and
+ * the operators call them on PyTorch's tensors, its current stream and its caching allocator
+ * (so a call can be captured in a CUDA graph). The package uses these operators where this
+ * library was built for the torch it runs with, and its Python ones otherwise.
+ */
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "attention.h"
+
+namespace {
+
+/* A stage library's entry points (common/stage_library.cu). */
+struct StageLibrary {
+  int (*forward_workspace)(const attn_problem *, size_t *);
+  int (*backward_workspace)(const attn_problem *, size_t *);
+  int (*forward)(const attn_problem *, const attn_buffers *, void *);
+  int (*backward)(const attn_problem *, const attn_buffers *, void *, int);
+  const char *(*error)(void);
+};
+
+/* Filled at import; a lock, since a stage may be registered while another thread calls. */
+std::mutex libraries_lock;
+std::unordered_map<std::string, StageLibrary> libraries;
+
+template <typename Fn>
+Fn entry_point(int64_t address, const char *name) {
+  TORCH_CHECK_VALUE(address != 0, "flash_stages: register_stage got no address for ", name);
+  return reinterpret_cast<Fn>(static_cast<std::uintptr_t>(address));
+}
+
+void register_stage(c10::string_view name, int64_t forward_workspace, int64_t backward_workspace,
+                    int64_t forward, int64_t backward, int64_t error) {
+  StageLibrary lib;
+  lib.forward_workspace =
+      entry_point<decltype(lib.forward_workspace)>(forward_workspace, "forward_workspace");
+  lib.backward_workspace =
+      entry_point<decltype(lib.backward_workspace)>(backward_workspace, "backward_workspace");
+  lib.forward = entry_point<decltype(lib.forward)>(forward, "forward");
+  lib.backward = entry_point<decltype(lib.backward)>(backward, "backward");
+  lib.error = entry_point<decltype(lib.error)>(error, "error");
+  std::lock_guard<std::mutex> hold(libraries_lock);
+  libraries[std::string(name)] = lib;
+}
+
+StageLibrary library(c10::string_view name) {
+  std::lock_guard<std::mutex> hold(libraries_lock);
+  auto found = libraries.find(std::string(name));
+  TORCH_CHECK_VALUE(found != libraries.end(), "flash_stages: no stage registered as ",
+                    std::string(name));
+  return found->second;
+}
+
+/* Where the stage program would exit, the library returns its exit code. 2 (what this device
+ * cannot run) and 77 (a stage built for another GPU) become ValueError, which the package
+ * raises as FlashStagesError; 1 (a CUDA error) RuntimeError. The message is the program's
+ * line, as the Python operators give it. */
+void check(const StageLibrary &lib, int code, const char *what) {
+  if (code == EXIT_OK) return;
+  std::string line = std::string(lib.error()) + " (in the " + what + ")";
+  TORCH_CHECK_VALUE(code != EXIT_BAD_USAGE && code != EXIT_NO_DEVICE, line);
+  TORCH_CHECK(false, line);
+}
+
+/* The pointers and shape of the last kernel call, so that a test can see that the kernels
+ * read and wrote PyTorch's own tensors (flash_stages.last_call). */
+std::mutex last_call_lock;
+std::string last_stage, last_direction;
+std::vector<int64_t> last_pointers;
+
+void record(c10::string_view stage, const char *direction,
+            std::initializer_list<const void *> pointers) {
+  std::lock_guard<std::mutex> hold(last_call_lock);
+  last_stage.assign(stage.data(), stage.size());
+  last_direction = direction;
+  last_pointers.clear();
+  for (const void *p : pointers)
+    last_pointers.push_back(static_cast<int64_t>(reinterpret_cast<std::uintptr_t>(p)));
+}
+
+std::tuple<std::string, std::string, std::vector<int64_t>> last_call() {
+  std::lock_guard<std::mutex> hold(last_call_lock);
+  return {last_stage, last_direction, last_pointers};
+}
+
+attn_dtype dtype_code(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return DTYPE_FP32;
+    case at::kHalf: return DTYPE_FP16;
+    case at::kBFloat16: return DTYPE_BF16;
+    default: TORCH_CHECK_VALUE(false, "flash_stages: no stage takes ", type, " inputs");
+  }
+}
+
+attn_problem problem(const at::Tensor &q, const at::Tensor &k, bool causal, double scale) {
+  attn_problem p{};
+  p.batch = static_cast<int>(q.size(0));
+  p.heads = static_cast<int>(q.size(1));
+  p.seq_q = static_cast<int>(q.size(2));
+  p.seq_kv = static_cast<int>(k.size(2));
+  p.head_dim = static_cast<int>(q.size(3));
+  p.causal = causal;
+  p.scale = static_cast<float>(scale);
+  p.dtype = dtype_code(q.scalar_type());
+  p.heads_kv = static_cast<int>(k.size(1));
+  p.cache_lens = nullptr;
+  return p;
+}
+
+/* t as the kernels read it: contiguous row-major, from a 16-byte boundary (their 16-byte
+ * copies; TMA in stage 10). A view that is neither is copied, once. */
+at::Tensor kernel_layout(const at::Tensor &t) {
+  at::Tensor c = t.contiguous();
+  return reinterpret_cast<std::uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+}
+
+/* The workspace from PyTorch's caching allocator, or none for a stage that asks for none. */
+void *workspace(const at::Tensor &like, size_t bytes, at::Tensor &holder) {
+  if (bytes == 0) return nullptr;
+  holder = at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
+  return holder.data_ptr();
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor &q_in, const at::Tensor &k_in,
+                                                const at::Tensor &v_in, c10::string_view stage,
+                                                bool causal, double scale, bool deterministic) {
+  (void)deterministic; /* the forward has one path; the flag is the backward's */
+  StageLibrary lib = library(stage);
+  c10::cuda::CUDAGuard on_device(q_in.device()); /* the stages launch on the current device */
+  at::Tensor q = kernel_layout(q_in), k = kernel_layout(k_in), v = kernel_layout(v_in);
+  at::Tensor o = at::empty_like(q);
+  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+  attn_problem p = problem(q, k, causal, scale);
+  size_t bytes = 0;
+  check(lib, lib.forward_workspace(&p, &bytes), "forward workspace");
+  at::Tensor held;
+  attn_buffers t{};
+  t.q = q.data_ptr();
+  t.k = k.data_ptr();
+  t.v = v.data_ptr();
+  t.o = o.data_ptr();
+  t.lse = lse.data_ptr<float>();
+  t.workspace = workspace(q, bytes, held);
+  record(stage, "forward", {t.q, t.k, t.v, t.o, t.lse});
+  check(lib, lib.forward(&p, &t, c10::cuda::getCurrentCUDAStream().stream()), "forward");
+  return {o, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
+    const at::Tensor &d_o_in, const at::Tensor &q_in, const at::Tensor &k_in,
+    const at::Tensor &v_in, const at::Tensor &o_in, const at::Tensor &lse_in,
+    c10::string_view stage, bool causal, double scale, bool deterministic) {
+  StageLibrary lib = library(stage);
+  c10::cuda::CUDAGuard on_device(q_in.device());
+  at::Tensor d_o = kernel_layout(d_o_in), q = kernel_layout(q_in), k = kernel_layout(k_in),
+             v = kernel_layout(v_in), o = kernel_layout(o_in), lse = lse_in.contiguous();
+  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  attn_problem p = problem(q, k, causal, scale);
+  size_t bytes = 0;
+  check(lib, lib.backward_workspace(&p, &bytes), "backward workspace");
+  at::Tensor held;
+  attn_buffers t{};
+  t.q = q.data_ptr();
+  t.k = k.data_ptr();
+  t.v = v.data_ptr();
+  t.o = o.data_ptr();
+  t.lse = lse.data_ptr<float>();
+  t.d_o = d_o.data_ptr();
+  t.dq = dq.data_ptr();
+  t.dk = dk.data_ptr();
+  t.dv = dv.data_ptr();
+  t.workspace = workspace(q, bytes, held);
+  /* The call's deterministic=True or torch's deterministic mode asks the stage for its
+   * deterministic dQ path, as ATTN_DETERMINISTIC=1 in the environment does. */
+  bool ordered = deterministic || at::globalContext().deterministicAlgorithms();
+  record(stage, "backward", {t.q, t.k, t.v, t.d_o, t.dq, t.dk, t.dv});
+  check(lib, lib.backward(&p, &t, c10::cuda::getCurrentCUDAStream().stream(), ordered), "backward");
+  return {dq, dk, dv};
+}
+
+/* Shapes only, for torch.compile's fake tensors. */
+std::tuple<at::Tensor, at::Tensor> forward_meta(const at::Tensor &q, const at::Tensor &,
+                                                const at::Tensor &, c10::string_view, bool, double,
+                                                bool) {
+  return {at::empty_like(q, at::MemoryFormat::Contiguous),
+          at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat))};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_meta(
+    const at::Tensor &, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+    const at::Tensor &, const at::Tensor &, c10::string_view, bool, double, bool) {
+  return {at::empty_like(q, at::MemoryFormat::Contiguous),
+          at::empty_like(k, at::MemoryFormat::Contiguous),
+          at::empty_like(v, at::MemoryFormat::Contiguous)};
+}
+
+/* The autograd formula: the backward operator, once differentiable (a second derivative
+ * raises, as PyTorch does for an operator without one). LSE is an output only so that the
+ * backward can have it: it carries no gradient. */
+class Attention : public torch::autograd::Function<Attention> {
+ public:
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext *ctx,
+                                                const at::Tensor &q, const at::Tensor &k,
+                                                const at::Tensor &v, const std::string &stage,
+                                                bool causal, double scale, bool deterministic) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("flash_stages::forward", "")
+                         .typed<decltype(forward_cuda)>();
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [o, lse] = op.call(q, k, v, stage, causal, scale, deterministic);
+    ctx->save_for_backward({q, k, v, o, lse});
+    ctx->saved_data["stage"] = stage;
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["deterministic"] = deterministic;
+    ctx->mark_non_differentiable({lse});
+    ctx->set_materialize_grads(false);
+    return {o, lse};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                 torch::autograd::variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("flash_stages::backward", "")
+                         .typed<decltype(backward_cuda)>();
+    const at::Tensor none;
+    if (!grads[0].defined()) return {none, none, none, none, none, none, none}; /* O unused */
+    auto saved = ctx->get_saved_variables();
+    auto [dq, dk, dv] =
+        op.call(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4],
+                ctx->saved_data["stage"].toStringRef(), ctx->saved_data["causal"].toBool(),
+                ctx->saved_data["scale"].toDouble(), ctx->saved_data["deterministic"].toBool());
+    return {dq, dk, dv, none, none, none, none};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> forward_autograd(const at::Tensor &q, const at::Tensor &k,
+                                                    const at::Tensor &v, c10::string_view stage,
+                                                    bool causal, double scale, bool deterministic) {
+  auto out = Attention::apply(q, k, v, std::string(stage), causal, scale, deterministic);
+  return {out[0], out[1]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(flash_stages, m) {
+  m.def(
+      "forward(Tensor q, Tensor k, Tensor v, str stage, bool causal, float scale, "
+      "bool deterministic) -> (Tensor, Tensor)");
+  m.def(
+      "backward(Tensor d_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, str stage, "
+      "bool causal, float scale, bool deterministic) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "register_stage(str name, int forward_workspace, int backward_workspace, int forward, "
+      "int backward, int error) -> ()",
+      &register_stage);
+  m.def("last_call() -> (str, str, int[])", &last_call);
+}
+
+TORCH_LIBRARY_IMPL(flash_stages, CUDA, m) {
+  m.impl("forward", &forward_cuda);
+  m.impl("backward", &backward_cuda);
+}
+
+TORCH_LIBRARY_IMPL(flash_stages, Meta, m) {
+  m.impl("forward", &forward_meta);
+  m.impl("backward", &backward_meta);
+}
+
+TORCH_LIBRARY_IMPL(flash_stages, Autograd, m) { m.impl("forward", &forward_autograd); }
