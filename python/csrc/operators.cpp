@@ -138,16 +138,19 @@ void *workspace(const at::Tensor &like, size_t bytes, at::Tensor &holder) {
   return holder.data_ptr();
 }
 
-std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor &q_in, const at::Tensor &k_in,
-                                                const at::Tensor &v_in, c10::string_view stage,
-                                                bool causal, double scale, bool deterministic) {
-  (void)deterministic; /* the forward has one path; the flag is the backward's */
+/* The forward, with the KV cache's lengths where given: B ints on the host (the stage plans
+ * its split from them) and the same on the device (its kernels read them). */
+std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor &q_in, const at::Tensor &k_in,
+                                               const at::Tensor &v_in, c10::string_view stage,
+                                               bool causal, double scale, const int *host_lens,
+                                               const int *device_lens) {
   StageLibrary lib = library(stage);
   c10::cuda::CUDAGuard on_device(q_in.device()); /* the stages launch on the current device */
   at::Tensor q = kernel_layout(q_in), k = kernel_layout(k_in), v = kernel_layout(v_in);
   at::Tensor o = at::empty_like(q);
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
   attn_problem p = problem(q, k, causal, scale);
+  p.cache_lens = host_lens;
   size_t bytes = 0;
   check(lib, lib.forward_workspace(&p, &bytes), "forward workspace");
   at::Tensor held;
@@ -158,9 +161,31 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor &q_in, const at
   t.o = o.data_ptr();
   t.lse = lse.data_ptr<float>();
   t.workspace = workspace(q, bytes, held);
+  t.cache_lens = device_lens;
   record(stage, "forward", {t.q, t.k, t.v, t.o, t.lse});
   check(lib, lib.forward(&p, &t, c10::cuda::getCurrentCUDAStream().stream()), "forward");
   return {o, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor &q, const at::Tensor &k,
+                                                const at::Tensor &v, c10::string_view stage,
+                                                bool causal, double scale, bool deterministic) {
+  (void)deterministic; /* the forward has one path; the flag is the backward's */
+  return run_forward(q, k, v, stage, causal, scale, nullptr, nullptr);
+}
+
+/* Decode against a KV cache: sequence b holds its first cache_lens[b] keys (int32, on q's
+ * device, and the same values in host_lens). No gradient, as FlashAttention's. */
+std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
+    const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &cache_lens,
+    at::IntArrayRef host_lens, c10::string_view stage, bool causal, double scale) {
+  TORCH_CHECK_VALUE(cache_lens.scalar_type() == at::kInt && cache_lens.is_contiguous() &&
+                        cache_lens.device() == q.device() && cache_lens.numel() == q.size(0) &&
+                        static_cast<int64_t>(host_lens.size()) == q.size(0),
+                    "flash_stages: cache_lens must be B contiguous int32 on q's device, with "
+                    "the same B values on the host");
+  std::vector<int> lens(host_lens.begin(), host_lens.end());
+  return run_forward(q, k, v, stage, causal, scale, lens.data(), cache_lens.data_ptr<int>());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
@@ -201,6 +226,13 @@ std::tuple<at::Tensor, at::Tensor> forward_meta(const at::Tensor &q, const at::T
                                                 bool) {
   return {at::empty_like(q, at::MemoryFormat::Contiguous),
           at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat))};
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_kvcache_meta(const at::Tensor &q, const at::Tensor &,
+                                                        const at::Tensor &, const at::Tensor &,
+                                                        at::IntArrayRef, c10::string_view, bool,
+                                                        double) {
+  return forward_meta(q, q, q, "", false, 0.0, false);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_meta(
@@ -268,6 +300,9 @@ TORCH_LIBRARY(flash_stages, m) {
       "backward(Tensor d_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, str stage, "
       "bool causal, float scale, bool deterministic) -> (Tensor, Tensor, Tensor)");
   m.def(
+      "forward_kvcache(Tensor q, Tensor k, Tensor v, Tensor cache_lens, int[] host_lens, "
+      "str stage, bool causal, float scale) -> (Tensor, Tensor)");
+  m.def(
       "register_stage(str name, int forward_workspace, int backward_workspace, int forward, "
       "int backward, int error) -> ()",
       &register_stage);
@@ -276,11 +311,13 @@ TORCH_LIBRARY(flash_stages, m) {
 
 TORCH_LIBRARY_IMPL(flash_stages, CUDA, m) {
   m.impl("forward", &forward_cuda);
+  m.impl("forward_kvcache", &forward_kvcache_cuda);
   m.impl("backward", &backward_cuda);
 }
 
 TORCH_LIBRARY_IMPL(flash_stages, Meta, m) {
   m.impl("forward", &forward_meta);
+  m.impl("forward_kvcache", &forward_kvcache_meta);
   m.impl("backward", &backward_meta);
 }
 

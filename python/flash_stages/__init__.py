@@ -33,6 +33,7 @@ replay repeats the captured launches: the harness's variables (ATTN_DETERMINISTI
 they were at capture, and last_call is not updated.
 """
 import collections.abc
+import ctypes
 import math
 import os
 import re
@@ -47,7 +48,8 @@ except ImportError as e:  # not a dependency pip installs: the user picks a CPU 
 
 from . import _library
 
-__all__ = ["scaled_dot_product_attention", "flash_attn_func", "stages", "stage_info",
+__all__ = ["scaled_dot_product_attention", "flash_attn_func", "flash_attn_with_kvcache",
+           "stages", "stage_info",
            "FlashStagesError", "HALF_STAGES", "PREFERENCE"]
 
 # The order the default choice tries: the fastest stage first (docs/results), each only where
@@ -89,6 +91,7 @@ class StageInfo:
         self.dtypes = tuple(_TORCH_DTYPE[c] for c in lib.dtype_codes)
         self.causal, self.backward, self.gqa = lib.causal, lib.backward, lib.gqa
         self.gqa_backward = lib.gqa_backward
+        self.cache_lens = lib.cache_lens
 
     def __repr__(self):
         dt = ", ".join(str(t).replace("torch.", "") for t in self.dtypes)
@@ -455,6 +458,101 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     return (out, lse) if return_lse else out
 
 
+def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None,
+                            causal=False, return_softmax_lse=False, stage=None):
+    """FlashAttention's decode call: q [B, S_q, H, d] against caches k_cache and v_cache
+    [B, S_cache, Hkv, d] (Hkv dividing H), of which sequence b holds its first
+    cache_seqlens[b] keys: an int (every sequence), a list or a tensor of B ints (any device;
+    int32 on q's device is used as it is), or None (every sequence holds S_cache). Keys past a
+    sequence's length are never read. causal is bottom-right against each sequence's length
+    (query i sees keys j <= i + cache_seqlens[b] - S_q), and a row that sees no key gets 0.
+    Returns out [B, S_q, H, d] and with return_softmax_lse=True also the LSE [B, H, S_q]
+    (float32; -inf on rows that see no key). No gradient is recorded (as FlashAttention's) and
+    the cache is not appended to: write the new keys into k_cache and v_cache first. Stage 11
+    (the KV-cache stage) runs it, or `stage` if it takes cache lengths. The lengths are read
+    on the host for the stage's split plan: a CUDA cache_seqlens is copied back, a
+    synchronisation, so such a call cannot be captured in a CUDA graph. Until the kernels
+    take row strides the caches are copied into [B, Hkv, S_cache, d] on every call."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise FlashStagesError(f"{name} must be a 4-D tensor [B, S, H, d], got "
+                                   f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    if k_cache.shape[2] == 0 or q.shape[2] % k_cache.shape[2] != 0:
+        raise FlashStagesError(f"q has {q.shape[2]} heads and k_cache {k_cache.shape[2]}: the "
+                               "query heads must be a multiple of the key/value heads")
+    qh, kh, vh = (t.detach().transpose(1, 2) for t in (q, k_cache, v_cache))
+    why = _check_inputs(qh, kh, vh, True)
+    if why is not None:
+        raise FlashStagesError(f"{why} (q, k_cache, v_cache given as [B, S, H, d], read as "
+                               "[B, H, S, d])")
+    host_lens, device_lens = _cache_lengths(cache_seqlens, q.shape[0], k_cache.shape[1],
+                                            q.device)
+    if stage is None:
+        stage = _DECODE_STAGE
+    if stage not in _INFO:
+        raise FlashStagesError(_unknown_stage(stage))
+    if not _INFO[stage].cache_lens:
+        raise FlashStagesError(f"{stage} takes no cache lengths (they come in {_DECODE_STAGE})")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    if not math.isfinite(scale):
+        raise FlashStagesError(f"softmax_scale must be a finite number, got {scale}")
+    why = _unsupported(_INFO[stage], qh, kh, vh, causal, True, False)
+    if why is not None:
+        raise FlashStagesError(why)
+    if q.numel() == 0 or k_cache.numel() == 0:  # an empty sum, as flash_attn_func
+        out = torch.zeros_like(q)
+        lse = torch.full(qh.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
+        return (out, lse) if return_softmax_lse else out
+    _check_environment()
+    if _OPERATORS:
+        try:
+            o, lse = torch.ops.flash_stages.forward_kvcache(qh, kh, vh, device_lens,
+                                                            list(host_lens), stage,
+                                                            bool(causal), scale)
+        except ValueError as e:  # the library's 2 or 77: what this device cannot run
+            raise FlashStagesError(str(e)) from None
+    else:
+        o, lse = _run_forward(qh, kh, vh, stage, bool(causal), scale, (host_lens, device_lens))
+    out = o.transpose(1, 2).contiguous()
+    return (out, lse) if return_softmax_lse else out
+
+
+def _cache_lengths(cache_seqlens, batch, capacity, device):
+    """(B host ints as a tuple, the same as contiguous int32 on `device`) from
+    flash_attn_with_kvcache's cache_seqlens, each checked to be in 0..capacity."""
+    if cache_seqlens is None:
+        host = (capacity,) * batch
+    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        host = (cache_seqlens,) * batch
+    else:
+        if isinstance(cache_seqlens, torch.Tensor):
+            if cache_seqlens.is_floating_point() or cache_seqlens.is_complex() or \
+                    cache_seqlens.dtype == torch.bool:
+                raise FlashStagesError(f"cache_seqlens must hold integers, got "
+                                       f"{cache_seqlens.dtype}")
+            values = cache_seqlens.reshape(-1).tolist()
+        else:
+            try:
+                values = [int(x) if int(x) == x else None for x in cache_seqlens]
+            except (TypeError, ValueError):
+                values = [None]
+            if None in values:
+                raise FlashStagesError("cache_seqlens must be an int, a list or a tensor of "
+                                       f"ints, got {cache_seqlens!r}")
+        if len(values) != batch:
+            raise FlashStagesError(f"cache_seqlens has {len(values)} lengths for a batch of "
+                                   f"{batch}")
+        host = tuple(values)
+    bad = [x for x in host if not 0 <= x <= capacity]
+    if bad:
+        raise FlashStagesError(f"cache_seqlens {bad[0]} is outside 0..{capacity} (the caches' "
+                               "capacity, S_cache)")
+    if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dtype == torch.int32 and \
+            cache_seqlens.device == device and cache_seqlens.is_contiguous():
+        return host, cache_seqlens.reshape(-1)
+    return host, torch.tensor(host, dtype=torch.int32, device=device)
+
+
 # ---- the operators ---------------------------------------------------------------------
 
 
@@ -569,18 +667,23 @@ def _check_environment():
 _PLANS, _PLAN_ENTRIES = {}, 4096
 
 
-def _plan_call(lib, direction, q, k, causal, scale, index):
-    """(attn_problem, workspace bytes) for this call; the device must be current."""
+def _plan_call(lib, direction, q, k, causal, scale, index, host_lens=None):
+    """(attn_problem, workspace bytes) for this call; the device must be current. host_lens:
+    the KV cache's B lengths (a tuple of ints), or None."""
     key = (lib.name, direction, q.shape, k.shape, causal, scale, q.dtype, index,
-           _checked_environment)
+           _checked_environment, host_lens)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _PLAN_ENTRIES:  # a decode loop's growing caches: start over
             _PLANS.clear()
         p = _problem(q, k, causal, scale)
+        lens = None
+        if host_lens is not None:  # kept with the problem, which points at it
+            lens = (ctypes.c_int * len(host_lens))(*host_lens)
+            p.cache_lens = ctypes.cast(lens, ctypes.c_void_p)
         fn = lib.forward_workspace if direction == "forward" else lib.backward_workspace
-        plan = _PLANS[key] = (p, fn(p))
-    return plan
+        plan = _PLANS[key] = (p, fn(p), lens)
+    return plan[0], plan[1]
 
 
 def _workspace(q, size):
@@ -597,19 +700,22 @@ _PYTHON_NAMESPACE = "flash_stages_python" if _OPERATORS else "flash_stages"
 _cpp_forward = torch.ops.flash_stages.forward.default if _OPERATORS else None
 
 
-def _run_forward(q, k, v, stage, causal, scale):
-    """O and LSE of one call: the body of the forward operator and of _Attention."""
+def _run_forward(q, k, v, stage, causal, scale, lens=None):
+    """O and LSE of one call: the body of the forward operator and of _Attention. lens: the KV
+    cache's lengths, (B host ints as a tuple, the same as a device int32 tensor), or None."""
     _check_environment()  # before forward_workspace, which reads them at stage 11's decode
     lib = _LIBS[stage]
     q, k, v = _in_kernel_layout(q), _in_kernel_layout(k), _in_kernel_layout(v)
     o = torch.empty_like(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     with _OnDevice(q) as (index, stream):
-        p, size = _plan_call(lib, "forward", q, k, causal, scale, index)
+        p, size = _plan_call(lib, "forward", q, k, causal, scale, index,
+                             lens[0] if lens is not None else None)
         ws = _workspace(q, size)
         bufs = _library.Buffers(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
                                 lse.data_ptr(), None, None, None, None,
-                                ws.data_ptr() if ws is not None else None)
+                                ws.data_ptr() if ws is not None else None,
+                                lens[1].data_ptr() if lens is not None else None)
         last_call._record(stage=stage, direction="forward", q=bufs.q, k=bufs.k, v=bufs.v,
                          o=bufs.o, lse=bufs.lse)
         lib.forward(p, bufs, stream)

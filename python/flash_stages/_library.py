@@ -18,7 +18,7 @@ DTYPE_FP32, DTYPE_FP16, DTYPE_BF16 = 0, 1, 2
 
 class Problem(ctypes.Structure):
     """attn_problem. heads_kv 0 means H; cache_lens NULL means every sequence holds Nkv keys
-    (the package passes no cache lengths)."""
+    (flash_attn_with_kvcache passes B host ints)."""
     _fields_ = [("batch", ctypes.c_int), ("heads", ctypes.c_int), ("seq_q", ctypes.c_int),
                 ("seq_kv", ctypes.c_int), ("head_dim", ctypes.c_int), ("causal", ctypes.c_int),
                 ("scale", ctypes.c_float), ("dtype", ctypes.c_int), ("heads_kv", ctypes.c_int),
@@ -91,6 +91,7 @@ class StageLibrary:
         self.backward = bool(s.backward)
         self.gqa = bool(s.has_gqa)
         self.gqa_backward = bool(s.has_gqa_backward)
+        self.cache_lens = bool(s.has_cache_lens)
 
     def entry_points(self):
         """The addresses of the forward and backward workspace, forward, backward and error

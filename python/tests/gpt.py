@@ -67,6 +67,9 @@ class Config:
     layers: int = 4
     d_model: int = 256
     heads: int = 4
+    # Key/value heads: 0 means `heads` (multi-head attention); fewer is grouped-query
+    # attention, each K/V head shared by heads / kv_heads query heads.
+    kv_heads: int = 0
     context: int = 256
     batch: int = 32
     # AdamW as in GPT-2 and nanoGPT (betas, weight decay, clipping); a short linear warm-up,
@@ -83,6 +86,10 @@ class Config:
     @property
     def head_dim(self):
         return self.d_model // self.heads
+
+    @property
+    def kv_dim(self):
+        return (self.kv_heads or self.heads) * self.head_dim
 
 
 def make_corpus(config, device="cpu"):
@@ -139,7 +146,7 @@ def init_params(config, seed, device):
          "final_norm.b": torch.zeros(d)}
     for i in range(config.layers):
         p.update({f"{i}.attn_norm.w": torch.ones(d), f"{i}.attn_norm.b": torch.zeros(d),
-                  f"{i}.qkv": normal(d, 3 * d), f"{i}.attn_out": normal(d, d, std=residual_std),
+                  f"{i}.qkv": normal(d, d + 2 * config.kv_dim), f"{i}.attn_out": normal(d, d, std=residual_std),
                   f"{i}.mlp_norm.w": torch.ones(d), f"{i}.mlp_norm.b": torch.zeros(d),
                   f"{i}.mlp_in": normal(d, hidden), f"{i}.mlp_in_bias": torch.zeros(hidden),
                   f"{i}.mlp_out": normal(hidden, d, std=residual_std)})
@@ -162,7 +169,8 @@ def rotary_tables(config, t, device):
 
 
 def rotate(x, cos, sin):
-    """RoPE on [B, H, T, head_dim], computed in float32, returned in x's dtype."""
+    """RoPE on [B, H, T, head_dim] (or [B, T, H, head_dim] with cos and sin [T, 1, head_dim]),
+    computed in float32, returned in x's dtype."""
     import torch
     x32 = x.float()
     first, second = x32.chunk(2, dim=-1)
@@ -171,18 +179,27 @@ def rotate(x, cos, sin):
 
 def forward(params, tokens, config, attention):
     """Logits [B, T, VOCAB] of a pre-LayerNorm GPT; attention(q, k, v) takes and returns
-    [B, H, T, head_dim] and must be causal. The output embedding is the input one (tied)."""
+    [B, H, T, head_dim] (k and v with config.kv_heads heads), or [B, T, H, head_dim],
+    FlashAttention's layout, where it has an attribute seq_major = True, and must be causal.
+    The output embedding is the input one (tied)."""
     import torch.nn.functional as F
     p, (b, t), d = params, tokens.shape, config.d_model
+    seq_major = getattr(attention, "seq_major", False)
     cos, sin = rotary_tables(config, t, tokens.device)
+    if seq_major:  # positions are dim 1, heads dim 2
+        cos, sin = cos[:, None], sin[:, None]
+    kv_heads = config.kv_heads or config.heads
     x = p["embed"][tokens]
     for i in range(config.layers):
         h = F.layer_norm(x, (d,), p[f"{i}.attn_norm.w"], p[f"{i}.attn_norm.b"])
-        q, k, v = (h @ p[f"{i}.qkv"]).split(d, dim=-1)
-        q, k, v = (z.view(b, t, config.heads, config.head_dim).transpose(1, 2)
-                   for z in (q, k, v))
+        q, k, v = (h @ p[f"{i}.qkv"]).split([d, config.kv_dim, config.kv_dim], dim=-1)
+        q = q.view(b, t, config.heads, config.head_dim)
+        k, v = (z.view(b, t, kv_heads, config.head_dim) for z in (k, v))
+        if not seq_major:
+            q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-        o = attention(q, k, v).transpose(1, 2).reshape(b, t, d)
+        o = attention(q, k, v)
+        o = (o if seq_major else o.transpose(1, 2)).reshape(b, t, d)
         x = x + o @ p[f"{i}.attn_out"]
         h = F.layer_norm(x, (d,), p[f"{i}.mlp_norm.w"], p[f"{i}.mlp_norm.b"])
         x = x + F.gelu(h @ p[f"{i}.mlp_in"] + p[f"{i}.mlp_in_bias"]) @ p[f"{i}.mlp_out"]
@@ -247,7 +264,17 @@ SDPA_RUNS = ("sdpa_seed0", "sdpa_seed1")
 
 def sdpa_attention(q, k, v):
     import torch.nn.functional as F
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+def flash_attn_func_attention(q, k, v):
+    """FlashAttention's call on [B, T, H, head_dim], the package's default stage."""
+    import flash_stages
+    return flash_stages.flash_attn_func(q, k, v, causal=True)
+
+
+flash_attn_func_attention.seq_major = True
 
 
 def stage_attention(stage):
@@ -265,13 +292,25 @@ def default_stages():
     return [s for s in flash_stages.HALF_STAGES if s in loaded]
 
 
-def run_comparison(steps=300, stages=None, device="cuda", config=Config(), log=sys.stderr):
+# The grouped-query model: 4 query heads sharing 2 key/value heads, trained through
+# flash_attn_func on [B, T, H, head_dim] beside SDPA (enable_gqa) on [B, H, T, head_dim].
+GQA_CONFIG = Config(kv_heads=2)
+GQA_RUN = "flash_attn_func"
+
+
+def run_comparison(steps=300, stages=None, device="cuda", config=Config(), log=sys.stderr,
+                   flash_attn_func=False):
     """{"sdpa_seed0": losses, "sdpa_seed1": losses, stage: losses, ...}: SDPA with model seeds
-    0 and 1, then each stage (default: the half-precision stages that loaded) with seed 0."""
+    0 and 1, then each stage (default: the half-precision stages that loaded) with seed 0;
+    with flash_attn_func=True, one run through flash_stages.flash_attn_func (named GQA_RUN)
+    in place of the stages."""
     stages = default_stages() if stages is None else list(stages)
     corpus = make_corpus(config, device)
     runs = [("sdpa_seed0", sdpa_attention, 0), ("sdpa_seed1", sdpa_attention, 1)]
-    runs += [(s, stage_attention(s), 0) for s in stages]
+    if flash_attn_func:
+        runs.append((GQA_RUN, flash_attn_func_attention, 0))
+    else:
+        runs += [(s, stage_attention(s), 0) for s in stages]
     curves = {}
     for name, attention, seed in runs:
         if log:
@@ -470,6 +509,9 @@ def plot(tsv, png):
     # characters must not be read as markup.
     for c in "_^{}@&~":
         stamp = stamp.replace(c, "\\\\" + c)
+    title = ("A small grouped-query GPT trained with SDPA and through flash_attn_func"
+             if GQA_RUN in curves else
+             "A small GPT trained with SDPA and with the half-precision stages")
     gp = data + [
         "set terminal pngcairo size 900,560 font 'sans,10'",
         f"set output '{png}'",
@@ -478,8 +520,7 @@ def plot(tsv, png):
         f"set xrange [0:{steps}]",
         # Top: the curves.
         "set lmargin 10", "set size 1,0.64", "set origin 0,0.36",
-        "set title \"A small GPT trained with SDPA and with the half-precision stages\\n"
-        f"{{/*0.8 {stamp}}}\"",
+        f"set title \"{title}\\n{{/*0.8 {stamp}}}\"",
         f"set ylabel 'loss (nats, mean of {SMOOTH_WINDOW} steps)'",
         "set format x ''",
         "plot " + ", ".join(f"$curves using 1:{k + 2} with lines {style}"
