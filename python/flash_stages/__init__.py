@@ -626,8 +626,7 @@ _ENVIRONMENT_KEYS = tuple(os.environ.encodekey(name) for name in _ENVIRONMENT) \
 
 def _environment():
     if _ENVIRONMENT_KEYS is not None:
-        data = os.environ._data
-        return tuple(data.get(key) for key in _ENVIRONMENT_KEYS)
+        return tuple(map(os.environ._data.get, _ENVIRONMENT_KEYS))
     return tuple(os.environ.get(name) for name in _ENVIRONMENT)
 
 

@@ -355,6 +355,36 @@ def test_cuda_graph_replay_matches_eager():
         assert torch.equal(a, b), f"{name} differs between eager and the replayed graph"
 
 
+def test_decode_graph_replays_with_new_tokens():
+    """A decode step (one query against a grouped-query cache: stage 11's split over the keys,
+    its merge and its workspace) captured once replays on new inputs copied into the
+    captured tensors, as a serving loop does, giving the eager results bit for bit."""
+    if "11_split_kv_decode" not in fs.stages():
+        pytest.skip("11_split_kv_decode is not loaded")
+    q, k, v, _ = inputs((2, 32, 1, 4096, 128, False), torch.float16)
+    k, v = k[:, :8].contiguous(), v[:, :8].contiguous()
+    static_q = q.clone()
+
+    def step():
+        return fs.scaled_dot_product_attention(static_q, k, v, enable_gqa=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    assert fs.last_call["stage"] == "11_split_kv_decode"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in (1, 2):
+        new_q = inputs((2, 32, 1, 4096, 128, False), torch.float16, seed=seed)[0]
+        static_q.copy_(new_q)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = fs.scaled_dot_product_attention(new_q, k, v, enable_gqa=True)
+        assert torch.equal(captured, want), f"replay {seed} differs from the eager call"
+
+
 def test_compile_reduce_overhead_matches_eager():
     """torch.compile's reduce-overhead mode (CUDA graphs of the compiled region) on a small
     block gives the eager results, call after call."""
