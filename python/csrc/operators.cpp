@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
@@ -124,6 +125,16 @@ attn_problem problem(const at::Tensor &q, const at::Tensor &k, bool causal, doub
   return p;
 }
 
+/* What the package's Python checks before any call, checked again for a direct call of the
+ * operators: a host pointer or a tensor of another dtype must not reach the kernels. */
+void check_tensors(std::initializer_list<const at::Tensor *> tensors) {
+  const at::Tensor &first = **tensors.begin();
+  for (const at::Tensor *t : tensors)
+    TORCH_CHECK_VALUE(t->dim() == 4 && t->is_cuda() && t->device() == first.device() &&
+                          t->scalar_type() == first.scalar_type(),
+                      "flash_stages: the operators take 4-D CUDA tensors of one device and dtype");
+}
+
 /* t as the kernels read it: contiguous row-major, from a 16-byte boundary (their 16-byte
  * copies; TMA in stage 10). A view that is neither is copied, once. */
 at::Tensor kernel_layout(const at::Tensor &t) {
@@ -145,6 +156,7 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor &q_in, const at:
                                                bool causal, double scale, const int *host_lens,
                                                const int *device_lens) {
   StageLibrary lib = library(stage);
+  check_tensors({&q_in, &k_in, &v_in});
   c10::cuda::CUDAGuard on_device(q_in.device()); /* the stages launch on the current device */
   at::Tensor q = kernel_layout(q_in), k = kernel_layout(k_in), v = kernel_layout(v_in);
   at::Tensor o = at::empty_like(q);
@@ -193,6 +205,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor &v_in, const at::Tensor &o_in, const at::Tensor &lse_in,
     c10::string_view stage, bool causal, double scale, bool deterministic) {
   StageLibrary lib = library(stage);
+  check_tensors({&q_in, &k_in, &v_in, &d_o_in, &o_in});
   c10::cuda::CUDAGuard on_device(q_in.device());
   at::Tensor d_o = kernel_layout(d_o_in), q = kernel_layout(q_in), k = kernel_layout(k_in),
              v = kernel_layout(v_in), o = kernel_layout(o_in), lse = lse_in.contiguous();
@@ -224,8 +237,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
 std::tuple<at::Tensor, at::Tensor> forward_meta(const at::Tensor &q, const at::Tensor &,
                                                 const at::Tensor &, c10::string_view, bool, double,
                                                 bool) {
+  /* sym_size: under torch.compile's dynamic shapes the sizes are symbols */
   return {at::empty_like(q, at::MemoryFormat::Contiguous),
-          at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat))};
+          at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2)},
+                           q.options().dtype(at::kFloat))};
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_kvcache_meta(const at::Tensor &q, const at::Tensor &,
@@ -243,8 +258,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_meta(
           at::empty_like(v, at::MemoryFormat::Contiguous)};
 }
 
-/* The autograd formula: the backward operator, once differentiable (a second derivative
- * raises, as PyTorch does for an operator without one). LSE is an output only so that the
+/* The autograd formula: the backward operator, once differentiable (the backward operator's
+ * autograd kernel is PyTorch's not-implemented one, so a second derivative raises, as for
+ * PyTorch's own attention backwards). LSE is an output only so that the
  * backward can have it: it carries no gradient. */
 class Attention : public torch::autograd::Function<Attention> {
  public:
@@ -321,4 +337,8 @@ TORCH_LIBRARY_IMPL(flash_stages, Meta, m) {
   m.impl("backward", &backward_meta);
 }
 
-TORCH_LIBRARY_IMPL(flash_stages, Autograd, m) { m.impl("forward", &forward_autograd); }
+TORCH_LIBRARY_IMPL(flash_stages, Autograd, m) {
+  m.impl("forward", &forward_autograd);
+  m.impl("backward", torch::autograd::autogradNotImplementedFallback());
+  m.impl("forward_kvcache", torch::autograd::autogradNotImplementedFallback());
+}

@@ -127,7 +127,12 @@ def _load_operators():
                       f"{torch.__version__}: the Python operators run instead (rebuild: cmake "
                       "--build build --target python_package)", stacklevel=3)
         return False
-    torch.ops.load_library(path)
+    try:
+        torch.ops.load_library(path)
+    except (OSError, RuntimeError) as e:  # built against another build of this version
+        warnings.warn(f"flash_stages: {path} does not load into this torch ({e}): the Python "
+                      "operators run instead", stacklevel=3)
+        return False
     for lib in _LIBS.values():
         torch.ops.flash_stages.register_stage(lib.name, *lib.entry_points())
     return True
@@ -307,7 +312,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     of raising FlashStagesError."""
     q, k, v = query, key, value
     planned = None
-    if attn_mask is None and not dropout_p and type(q) is type(k) is type(v) is torch.Tensor:
+    if attn_mask is None and not dropout_p and type(q) is type(k) is type(v) is torch.Tensor \
+            and not torch.compiler.is_compiling():  # traced shapes may be symbols: no key
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
                                                   v.requires_grad)
         planned = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
@@ -470,8 +476,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softmax_
     (float32; -inf on rows that see no key). No gradient is recorded (as FlashAttention's) and
     the cache is not appended to: write the new keys into k_cache and v_cache first. Stage 11
     (the KV-cache stage) runs it, or `stage` if it takes cache lengths. The lengths are read
-    on the host for the stage's split plan: a CUDA cache_seqlens is copied back, a
-    synchronisation, so such a call cannot be captured in a CUDA graph. Until the kernels
+    on the host for the stage's split plan (a CUDA cache_seqlens is copied back, a
+    synchronisation) and copied to the device (an int, a list or a CPU tensor), so the call
+    cannot be captured in a CUDA graph, whatever form the lengths take. Until the kernels
     take row strides the caches are copied into [B, Hkv, S_cache, d] on every call."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -534,7 +541,7 @@ def _cache_lengths(cache_seqlens, batch, capacity, device):
         else:
             try:
                 values = [int(x) if int(x) == x else None for x in cache_seqlens]
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):  # OverflowError: inf
                 values = [None]
             if None in values:
                 raise FlashStagesError("cache_seqlens must be an int, a list or a tensor of "
