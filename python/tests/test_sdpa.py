@@ -1,6 +1,6 @@
 """The package against PyTorch: every loaded stage's forward and gradients against SDPA's math
 backend in float64 on the same rounded inputs (docs/conventions.md section 3: the
-half-precision rule for stages 07-09, the fp32 bound for 03-06), over ragged N, Nq != Nkv,
+half-precision rule for stages 07-12, the fp32 bound for 03-06), over ragged N, Nq != Nkv,
 causal and fully masked rows; torch.compile of a function that calls it; the no-copy claim;
 the errors and the fallback."""
 import math
