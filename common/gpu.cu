@@ -95,30 +95,6 @@ static thread_local cudaStream_t attn_launch_stream;
 cudaStream_t attn_stream(void) { return attn_launch_stream; }
 void attn_set_stream(cudaStream_t stream) { attn_launch_stream = stream; }
 
-/* The (kernel, device) pairs whose opt-in was made, each with the largest size made. Per
- * thread, as the stream is; a full table remembers nothing more, and the opt-in is then made
- * at every launch. */
-enum { OptInsRemembered = 64 }; /* more kernels than a stage library has */
-static thread_local struct {
-  const void *kernel;
-  int device;
-  size_t bytes;
-} opt_ins[OptInsRemembered];
-static thread_local int opt_in_count;
-
-/* Sets the opt-in unless a larger or equal one was made, and remembers it once made. */
-static void opt_in(const void *kernel, int device, size_t bytes) {
-  int i = 0;
-  while (i < opt_in_count && !(opt_ins[i].kernel == kernel && opt_ins[i].device == device)) ++i;
-  if (i < opt_in_count && bytes <= opt_ins[i].bytes) return;
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
-  if (i == opt_in_count && opt_in_count == OptInsRemembered) return;
-  if (i == opt_in_count) ++opt_in_count;
-  opt_ins[i].kernel = kernel;
-  opt_ins[i].device = device;
-  opt_ins[i].bytes = bytes;
-}
-
 void attn_require_shared_memory(const void *kernel, size_t bytes, const char *kernel_name) {
   size_t limit = attn_shared_memory_limit();
   if (bytes > limit)
@@ -126,17 +102,14 @@ void attn_require_shared_memory(const void *kernel, size_t bytes, const char *ke
               "%s needs %zu bytes of shared memory per block, this device allows %zu; use a "
               "smaller head dim or tile",
               kernel_name, bytes, limit);
-  /* Above 48 KiB a kernel must opt in explicitly. The opt-in stays set, so it is made once
-   * per kernel, device and size: the Python package launches small problems back to back,
-   * where a runtime call per launch is host time the kernel does not hide. */
-  int device;
-  CUDA_CHECK(cudaGetDevice(&device));
-  opt_in(kernel, device, bytes);
+  /* Above 48 KiB a kernel must opt in explicitly. */
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
   /* Standing in for a GPU of less shared memory per SM: the carveout, a percentage of the
    * largest, rounded down, since the driver rounds it up to the next capacity the SM has
    * (on Hopper 100 KiB and 164 KiB among them, the sm_86/89 and sm_80 figures). */
   if (size_t per_sm = env_bytes("ATTN_SHARED_MEMORY_PER_SM")) {
-    int most;
+    int device, most;
+    CUDA_CHECK(cudaGetDevice(&device));
     CUDA_CHECK(cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
     int percent = per_sm >= (size_t)most ? 100 : (int)(per_sm * 100 / (size_t)most);
     CUDA_CHECK(
