@@ -142,11 +142,22 @@ at::Tensor kernel_layout(const at::Tensor &t) {
   return reinterpret_cast<std::uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
 }
 
-/* The workspace from PyTorch's caching allocator, or none for a stage that asks for none. */
-void *workspace(const at::Tensor &like, size_t bytes, at::Tensor &holder) {
-  if (bytes == 0) return nullptr;
-  holder = at::empty({static_cast<int64_t>(bytes)}, like.options().dtype(at::kByte));
-  return holder.data_ptr();
+/* The buffers both passes read, and the workspace the pass asked for, from PyTorch's caching
+ * allocator (none where it asked for none); `holder` keeps it until the call returns. */
+attn_buffers pass_buffers(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                          const at::Tensor &o, const at::Tensor &lse, size_t workspace_bytes,
+                          at::Tensor &holder) {
+  attn_buffers t{};
+  t.q = q.data_ptr();
+  t.k = k.data_ptr();
+  t.v = v.data_ptr();
+  t.o = o.data_ptr();
+  t.lse = lse.data_ptr<float>();
+  if (workspace_bytes) {
+    holder = at::empty({static_cast<int64_t>(workspace_bytes)}, q.options().dtype(at::kByte));
+    t.workspace = holder.data_ptr();
+  }
+  return t;
 }
 
 /* The forward, with the KV cache's lengths where given: B ints on the host (the stage plans
@@ -166,13 +177,7 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor &q_in, const at:
   size_t bytes = 0;
   check(lib, lib.forward_workspace(&p, &bytes), "forward workspace");
   at::Tensor held;
-  attn_buffers t{};
-  t.q = q.data_ptr();
-  t.k = k.data_ptr();
-  t.v = v.data_ptr();
-  t.o = o.data_ptr();
-  t.lse = lse.data_ptr<float>();
-  t.workspace = workspace(q, bytes, held);
+  attn_buffers t = pass_buffers(q, k, v, o, lse, bytes, held);
   t.cache_lens = device_lens;
   record(stage, "forward", {t.q, t.k, t.v, t.o, t.lse});
   check(lib, lib.forward(&p, &t, c10::cuda::getCurrentCUDAStream().stream()), "forward");
@@ -214,17 +219,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   size_t bytes = 0;
   check(lib, lib.backward_workspace(&p, &bytes), "backward workspace");
   at::Tensor held;
-  attn_buffers t{};
-  t.q = q.data_ptr();
-  t.k = k.data_ptr();
-  t.v = v.data_ptr();
-  t.o = o.data_ptr();
-  t.lse = lse.data_ptr<float>();
+  attn_buffers t = pass_buffers(q, k, v, o, lse, bytes, held);
   t.d_o = d_o.data_ptr();
   t.dq = dq.data_ptr();
   t.dk = dk.data_ptr();
   t.dv = dv.data_ptr();
-  t.workspace = workspace(q, bytes, held);
   /* The call's deterministic=True or torch's deterministic mode asks the stage for its
    * deterministic dQ path, as ATTN_DETERMINISTIC=1 in the environment does. */
   bool ordered = deterministic || at::globalContext().deterministicAlgorithms();
