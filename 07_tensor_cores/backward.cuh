@@ -196,7 +196,7 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   float *delta = (float *)t->workspace;
   /* The bound on |dS| in fp16 only (ds_scale); bf16 passes none. */
   float *ds_stats = std::is_same_v<T, __half> ? delta + delta_floats(rows) : nullptr;
-  launch_delta<D, T>(t, delta, ds_stats, rows, kv_rows);
+  launch_delta<D, T>(p, t, delta, ds_stats, rows, kv_rows);
   if (dkdv_bytes<T>(D, Bc_bwd) <= attn_shared_memory_limit())
     launch_dkdv<D, Bc_bwd, T>(p, t, delta, ds_stats);
   else

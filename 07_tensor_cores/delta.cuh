@@ -40,11 +40,12 @@ __device__ void block_max_into(float x, float *out) {
  * (fp16), also max |dO_i|^2 and max |V_j|^2 into stats[0], stats[1] for ds_scale. */
 template <int D, typename T>
 __global__ void compute_delta_kernel(const T *o, const T *d_o, const T *v, float *delta,
-                                     float *stats, long rows, long kv_rows) {
+                                     float *stats, long rows, long kv_rows, attn_strides qs, int nq,
+                                     attn_strides kvs, int nkv) {
   constexpr int Chunk = 16 / sizeof(T), Lanes = D / Chunk; /* threads a row */
   static_assert(32 % Lanes == 0, "a row's threads are within one warp");
-  long r = (blockIdx.x * (long)blockDim.x + threadIdx.x) / Lanes;
-  long at = r * D + threadIdx.x % Lanes * Chunk;
+  long r = (blockIdx.x * (long)blockDim.x + threadIdx.x) / Lanes; /* row r % N of head r / N */
+  long at = row_start(qs, r / nq, r % nq) + threadIdx.x % Lanes * Chunk;
   float sum = 0.f, do_norm2 = 0.f, v_norm2 = 0.f;
   if (r < rows) {
     float4 dov = *reinterpret_cast<const float4 *>(d_o + at);
@@ -57,7 +58,8 @@ __global__ void compute_delta_kernel(const T *o, const T *d_o, const T *v, float
     }
   }
   if (stats && r < kv_rows) {
-    float4 vv = *reinterpret_cast<const float4 *>(v + at);
+    float4 vv = *reinterpret_cast<const float4 *>(v + row_start(kvs, r / nkv, r % nkv) +
+                                                  threadIdx.x % Lanes * Chunk);
     const T *vs = reinterpret_cast<const T *>(&vv);
 #pragma unroll
     for (int c = 0; c < Chunk; c++) v_norm2 += float(vs[c]) * float(vs[c]);
@@ -77,13 +79,14 @@ __global__ void compute_delta_kernel(const T *o, const T *d_o, const T *v, float
 /* The pre-pass: D of `rows` rows into `delta`, and, with `ds_stats` (fp16), the bound's two
  * maxima over those rows and the `kv_rows` rows of V (zeroed first: they are atomic maxima). */
 template <int D, typename T>
-static void launch_delta(const attn_buffers *t, float *delta, float *ds_stats, long rows,
-                         long kv_rows) {
+static void launch_delta(const attn_problem *p, const attn_buffers *t, float *delta,
+                         float *ds_stats, long rows, long kv_rows) {
   if (ds_stats) CUDA_CHECK(cudaMemsetAsync(ds_stats, 0, sizeof(float) * DsStats, attn_stream()));
   const int delta_threads = 256; /* a memory-bound pass: any full-warp count will do */
   long delta_rows = ds_stats ? max(rows, kv_rows) : rows, lanes = D * sizeof(T) / 16;
   long delta_grid = (delta_rows * lanes + delta_threads - 1) / delta_threads;
   compute_delta_kernel<D><<<(unsigned)delta_grid, delta_threads, 0, attn_stream()>>>(
-      (const T *)t->o, (const T *)t->d_o, (const T *)t->v, delta, ds_stats, rows, kv_rows);
+      (const T *)t->o, (const T *)t->d_o, (const T *)t->v, delta, ds_stats, rows, kv_rows,
+      attn_q_strides(p), p->seq_q, attn_kv_strides(p), p->seq_kv);
   CHECK_LAUNCH("compute_delta_kernel");
 }

@@ -25,6 +25,7 @@ static const attn_stage stage = {
     .forward = forward,
     .backward_workspace = backward_workspace,
     .backward = backward,
+    .has_layouts = 1,
 };
 
 int main(int argc, char **argv) { return attention_main(&stage, argc, argv); }

@@ -217,8 +217,9 @@ __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
                                const T *__restrict__ v, const T *__restrict__ d_o,
                                const float *__restrict__ lse, const float *__restrict__ delta,
                                const float *__restrict__ ds_stats, T *__restrict__ dk,
-                               T *__restrict__ dv, float *__restrict__ dq_accum, int nq, int nkv,
-                               int heads, float scale, int causal) {
+                               T *__restrict__ dv, float *__restrict__ dq_accum, attn_strides qs,
+                               attn_strides kvs, int nq, int nkv, int heads, float scale,
+                               int causal) {
   constexpr int KeyFrags = WarpKeys / MmaM, Split = key_group_warps(D);
   constexpr int ld = padded<T>(D), Br_bwd = rows_bwd(BC), Threads = dkdv_threads(D, BC);
   /* K, V (BC rows), Q, dO buffers (Br_bwd rows), then past LSE and D, dS^T and P^T (BC rows of
@@ -249,16 +250,17 @@ __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
   int j0 = kb * BC, jw = j0 + w % (BC / WarpKeys) * WarpKeys;
   int cols = min(BC, nkv - j0), offset = nkv - nq, c0 = part * Cols;
   const T *Kw = Ks + (jw - j0) * ld, *Vw = Vs + (jw - j0) * ld; /* the warp's keys */
-  const T *Q = q + bh * nq * D, *dO = d_o + bh * nq * D;
-  load_kv_tile<D, BC, Threads>(k + (bh * nkv + j0) * D, v + (bh * nkv + j0) * D, cols, Ks, Vs);
+  const T *Q = q + row_start(qs, bh, 0), *dO = d_o + row_start(qs, bh, 0);
+  load_kv_tile<D, BC, Threads>(k + row_start(kvs, bh, j0), v + row_start(kvs, bh, j0), cols, Ks, Vs,
+                               kvs.row);
   float dk_acc[KeyFrags][Cols / MmaN][4] = {}, dv_acc[KeyFrags][Cols / MmaN][4] = {};
   const float scale_log2 = scale * Log2e, dss = ds_scale(ds_stats);
   /* Under the causal mask the first query that sees key j0 is j0 - offset: the query tiles
    * before it are skipped. */
   int i_begin = causal ? max(0, j0 - offset) : 0;
   if (i_begin < nq) {
-    load_kv_tile<D, Br_bwd, Threads>(Q + (long)i_begin * D, dO + (long)i_begin * D,
-                                     min(Br_bwd, nq - i_begin), Qs, dOs);
+    load_kv_tile<D, Br_bwd, Threads>(Q + i_begin * qs.row, dO + i_begin * qs.row,
+                                     min(Br_bwd, nq - i_begin), Qs, dOs, qs.row);
     load_row_stats(lse + bh * nq + i_begin, delta + bh * nq + i_begin, min(Br_bwd, nq - i_begin),
                    Br_bwd, lse_s, delta_s);
   }
@@ -270,8 +272,8 @@ __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
                       * may be refilled and its P^T and dS^T rewritten */
     int next = i0 + Br_bwd, rows = min(Br_bwd, nq - next), nb = (buf ^ 1) * Br_bwd;
     if (next < nq) { /* the next tile's copy overlaps this tile's products */
-      load_kv_tile<D, Br_bwd, Threads>(Q + (long)next * D, dO + (long)next * D, rows, Qs + nb * ld,
-                                       dOs + nb * ld);
+      load_kv_tile<D, Br_bwd, Threads>(Q + next * qs.row, dO + next * qs.row, rows, Qs + nb * ld,
+                                       dOs + nb * ld, qs.row);
       load_row_stats(lse + bh * nq + next, delta + bh * nq + next, rows, Br_bwd, lse_s + nb,
                      delta_s + nb);
     }
@@ -354,8 +356,10 @@ __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
   float dk_factor[2 * KeyFrags], dv_factor[2 * KeyFrags];
 #pragma unroll
   for (int h = 0; h < 2 * KeyFrags; h++) dk_factor[h] = scale / dss, dv_factor[h] = 1.f;
-  store_tile<Cols, KeyFrags>(dk_acc, dk_factor, dk + (bh * nkv + jw) * D + c0, nkv - jw, D);
-  store_tile<Cols, KeyFrags>(dv_acc, dv_factor, dv + (bh * nkv + jw) * D + c0, nkv - jw, D);
+  store_tile<Cols, KeyFrags>(dk_acc, dk_factor, dk + row_start(kvs, bh, jw) + c0, nkv - jw,
+                             kvs.row);
+  store_tile<Cols, KeyFrags>(dv_acc, dv_factor, dv + row_start(kvs, bh, jw) + c0, nkv - jw,
+                             kvs.row);
 }
 
 /* A warp per 16 query rows, walking the key tiles like the forward with dQ in accumulators;
@@ -366,8 +370,9 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
     flash_backward_dq_kernel(const T *__restrict__ q, const T *__restrict__ k,
                              const T *__restrict__ v, const T *__restrict__ d_o,
                              const float *__restrict__ lse, const float *__restrict__ delta,
-                             const float *__restrict__ ds_stats, T *__restrict__ dq, int nq,
-                             int nkv, int heads, float scale, int causal) {
+                             const float *__restrict__ ds_stats, T *__restrict__ dq,
+                             attn_strides qs, attn_strides kvs, int nq, int nkv, int heads,
+                             float scale, int causal) {
   constexpr int ld = padded<T>(D), Br = Br_dq, Bc = Bc_dq; /* this kernel's own tiles */
   /* K and V buffers (Bc rows), Q and dO (Br rows): each starts on its swizzle period */
   static_assert(starts_swizzle_period<D, T>(sizeof(T) * Bc * ld) &&
@@ -383,14 +388,14 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
       (causal ? row_blocks - 1 - (int)(blockIdx.x / heads) : (int)(blockIdx.x % row_blocks)) * Br;
   int iw = i0 + threadIdx.x / 32 * MmaM, g = threadIdx.x % 32 / Quad, tq = threadIdx.x % Quad;
   const T *Qw = Qs + (iw - i0) * ld, *dOw = dOs + (iw - i0) * ld; /* the warp's 16 rows */
-  const T *K = k + bh * nkv * D, *V = v + bh * nkv * D;
+  const T *K = k + row_start(kvs, bh, 0), *V = v + row_start(kvs, bh, 0);
   float dq_acc[1][D / MmaN][4] = {};
   /* The warp's Q and dO rows as A operands, read once from shared memory: the same 16 rows
    * meet every key tile, and reloading them would double the ldmatrix reads of S and dP. */
   unsigned q_frag[D / MmaK][4], do_frag[D / MmaK][4];
   const float scale_log2 = scale * Log2e, dss = ds_scale(ds_stats);
-  load_kv_tile<D, Br, Threads>(q + (bh * nq + i0) * D, d_o + (bh * nq + i0) * D, min(Br, nq - i0),
-                               Qs, dOs);
+  load_kv_tile<D, Br, Threads>(q + row_start(qs, bh, i0), d_o + row_start(qs, bh, i0),
+                               min(Br, nq - i0), Qs, dOs, qs.row);
   /* LSE (log2 units) and D of the lane's two rows, in registers; rows past the end get 0. */
   float lse_e[4], delta_e[4];
 #pragma unroll
@@ -401,13 +406,13 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
   }
   int offset = nkv - nq, last_row = min(i0 + Br, nq) - 1;
   int kv_end = causal ? max(0, min(nkv, last_row + offset + 1)) : nkv;
-  if (kv_end > 0) load_kv_tile<D, Bc, Threads>(K, V, min(Bc, nkv), Ks, Vs);
+  if (kv_end > 0) load_kv_tile<D, Bc, Threads>(K, V, min(Bc, nkv), Ks, Vs, kvs.row);
   __pipeline_commit();
   for (int j0 = 0, buf = 0; j0 < kv_end; j0 += Bc, buf ^= 1) {
     int next = j0 + Bc;
     if (next < kv_end)
-      load_kv_tile<D, Bc, Threads>(K + (long)next * D, V + (long)next * D, min(Bc, nkv - next),
-                                   Ks + (buf ^ 1) * Bc * ld, Vs + (buf ^ 1) * Bc * ld);
+      load_kv_tile<D, Bc, Threads>(K + next * kvs.row, V + next * kvs.row, min(Bc, nkv - next),
+                                   Ks + (buf ^ 1) * Bc * ld, Vs + (buf ^ 1) * Bc * ld, kvs.row);
     __pipeline_commit();
     __pipeline_wait_prior(1);
     __syncthreads(); /* RAW: the whole tile (the first time, Q and dO too) is in shared memory */
@@ -446,16 +451,17 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
   }
   __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
   const float dq_factor[2] = {scale / dss, scale / dss};
-  store_tile<D, 1>(dq_acc, dq_factor, dq + (bh * nq + iw) * D, nq - iw);
+  store_tile<D, 1>(dq_acc, dq_factor, dq + row_start(qs, bh, iw), nq - iw, qs.row);
 }
 
 /* dQ = scale times the fp32 sums the dK/dV kernel added up (of dS times ds_scale), in the
- * dtype. */
-template <typename T>
+ * dtype; dq_accum is [B, H, Nq, D] whatever the layout of dQ. */
+template <int D, typename T>
 __global__ void convert_dq_kernel(const float *dq_accum, const float *ds_stats, T *dq, long elems,
-                                  float scale) {
-  long e = blockIdx.x * (long)blockDim.x + threadIdx.x;
-  if (e < elems) dq[e] = T(scale / ds_scale(ds_stats) * dq_accum[e]);
+                                  float scale, attn_strides qs, int nq) {
+  long e = blockIdx.x * (long)blockDim.x + threadIdx.x, r = e / D;
+  if (e < elems)
+    dq[row_start(qs, r / nq, r % nq) + e % D] = T(scale / ds_scale(ds_stats) * dq_accum[e]);
 }
 
 template <int D, int BC, bool AtomicDq, typename T>
@@ -468,8 +474,8 @@ static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const floa
   flash_backward_dkdv_kernel<D, BC, AtomicDq>
       <<<key_blocks, dkdv_threads(D, BC), dkdv_bytes<T>(D, BC), attn_stream()>>>(
           (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta,
-          ds_stats, (T *)t->dk, (T *)t->dv, dq_accum, p->seq_q, p->seq_kv, heads, p->scale,
-          p->causal);
+          ds_stats, (T *)t->dk, (T *)t->dv, dq_accum, attn_q_strides(p), attn_kv_strides(p),
+          p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_backward_dkdv_kernel");
 }
 
@@ -484,7 +490,7 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   long dq_elems = rows * D;
   /* The bound on |dS| in fp16 only (ds_scale); bf16 passes none. */
   float *ds_stats = std::is_same_v<T, __half> ? dq_accum + dq_elems : nullptr;
-  launch_delta<D, T>(t, delta, ds_stats, rows, kv_rows);
+  launch_delta<D, T>(p, t, delta, ds_stats, rows, kv_rows);
   /* dQ by atomics from the dK/dV kernel (five products a tile), or, with
    * ATTN_DETERMINISTIC=1, by the dQ kernel (seven, every bit the same run after run). */
   bool atomic_dq = !attn_deterministic();
@@ -496,9 +502,9 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   if (!atomic_dq && !big) launch_dkdv<D, Bc_bwd_small, false, T>(p, t, delta, ds_stats, dq_accum);
   if (atomic_dq) {
     const int convert_threads = 256; /* a memory-bound pass: any full-warp count will do */
-    convert_dq_kernel<<<(unsigned)((dq_elems + convert_threads - 1) / convert_threads),
-                        convert_threads, 0, attn_stream()>>>(dq_accum, ds_stats, (T *)t->dq,
-                                                             dq_elems, p->scale);
+    convert_dq_kernel<D><<<(unsigned)((dq_elems + convert_threads - 1) / convert_threads),
+                           convert_threads, 0, attn_stream()>>>(
+        dq_accum, ds_stats, (T *)t->dq, dq_elems, p->scale, attn_q_strides(p), p->seq_q);
     CHECK_LAUNCH("convert_dq_kernel");
     return;
   }
@@ -508,7 +514,8 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   unsigned row_blocks = (unsigned)((p->seq_q + Br_dq - 1) / Br_dq * heads);
   flash_backward_dq_kernel<D><<<row_blocks, threads_for(Br_dq), dq_bytes, attn_stream()>>>(
       (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta, ds_stats,
-      (T *)t->dq, p->seq_q, p->seq_kv, heads, p->scale, p->causal);
+      (T *)t->dq, attn_q_strides(p), attn_kv_strides(p), p->seq_q, p->seq_kv, heads, p->scale,
+      p->causal);
   CHECK_LAUNCH("flash_backward_dq_kernel");
 }
 

@@ -157,7 +157,7 @@ __device__ void compute_block_softmax_and_weighted_v(float (*s)[BC / MmaN][4], c
  * LSE = -inf), after adding up the quad's partial sums of l. */
 template <int D, typename T>
 __device__ void normalize_output(const float (*acc)[D / MmaN][4], const float *m, float *l,
-                                 float scale_log2, T *O, float *LSE, int rows) {
+                                 float scale_log2, T *O, float *LSE, int rows, long ld) {
   constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
   float inv_l[LaneRows];
 #pragma unroll
@@ -168,7 +168,7 @@ __device__ void normalize_output(const float (*acc)[D / MmaN][4], const float *m
     if (threadIdx.x % Quad == 0 && r < rows)
       LSE[r] = l[h] > 0.f ? (m[h] * scale_log2 + log2f(l[h])) * Ln2 : -INFINITY;
   }
-  store_tile<D, RowFrags>(acc, inv_l, O, rows);
+  store_tile<D, RowFrags>(acc, inv_l, O, rows, ld);
 }
 
 /* Blocks of the forward that share an SM: the registers of two 4-warp blocks (up to 255 a
@@ -183,8 +183,8 @@ constexpr int ForwardBlocksPerSm = 2;
 template <int D, int BC, int BUFFERS, typename T>
 __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), ForwardBlocksPerSm)
     flash_forward_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
-                         T *__restrict__ o, float *__restrict__ lse, int nq, int nkv, int heads,
-                         float scale, int causal) {
+                         T *__restrict__ o, float *__restrict__ lse, attn_strides qs,
+                         attn_strides kvs, int nq, int nkv, int heads, float scale, int causal) {
   constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
   constexpr int Threads = threads_for(Br, RowFrags);
   constexpr bool Double = BUFFERS == 2;
@@ -206,13 +206,13 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), ForwardBlocksPe
   /* A thread past the last row still helps load tiles and meets every barrier. */
   /* The warp's rows start at row0; this lane holds rows i + 8 h. */
   int row0 = i0 + threadIdx.x / 32 * RowFrags * MmaM, i = row0 + threadIdx.x % 32 / Quad;
-  const T *K = k + bh * nkv * D, *V = v + bh * nkv * D;
+  const T *K = k + row_start(kvs, bh, 0), *V = v + row_start(kvs, bh, 0);
   const T *Qw = Qs + (row0 - i0) * padded<T>(D); /* the warp's rows */
   float acc[RowFrags][D / MmaN][4] = {};
   float m[LaneRows], l[LaneRows], m_blk[LaneRows];
 #pragma unroll
   for (int h = 0; h < LaneRows; h++) m[h] = -INFINITY, l[h] = 0.f;
-  load_tile<D, Br, Threads>(q + (bh * nq + i0) * D, min(Br, nq - i0), Qs);
+  load_tile<D, Br, Threads>(q + row_start(qs, bh, i0), min(Br, nq - i0), Qs, qs.row);
   /* The row max is taken on the raw S, which is right for a positive scale only: a negative
    * scale is a positive one on -Q (exact), and a zero scale sees Q = 0. */
   float scale_log2 = scale == 0.f ? Log2e : fabsf(scale) * Log2e;
@@ -231,17 +231,17 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), ForwardBlocksPe
   /* K(t) and V(t) in copy groups of their own (Q joins K(0)'s), so that each product waits
    * only for its operand. -DATTN_SPLIT_WAITS=0 waits for both at a tile's top, as 08 does. */
   constexpr bool split = ATTN_SPLIT_WAITS || !Double;
-  if (kv_end > 0) load_tile<D, BC, Threads>(K, min(BC, nkv), Ks);
+  if (kv_end > 0) load_tile<D, BC, Threads>(K, min(BC, nkv), Ks, kvs.row);
   __pipeline_commit();
-  if (kv_end > 0) load_tile<D, BC, Threads>(V, min(BC, nkv), Vs);
+  if (kv_end > 0) load_tile<D, BC, Threads>(V, min(BC, nkv), Vs, kvs.row);
   __pipeline_commit();
   for (int j0 = 0, buf = 0; j0 < kv_end; j0 += BC, buf ^= Double) {
     int cols = min(BC, nkv - j0), next = j0 + BC;
     T *Kn = Ks + (buf ^ Double) * BC * padded<T>(D), *Vn = Vs + (buf ^ Double) * BC * padded<T>(D);
     if (Double && next < kv_end)
-      load_tile<D, BC, Threads>(K + (long)next * D, min(BC, nkv - next), Kn);
+      load_tile<D, BC, Threads>(K + next * kvs.row, min(BC, nkv - next), Kn, kvs.row);
     if (!split && next < kv_end)
-      load_tile<D, BC, Threads>(V + (long)next * D, min(BC, nkv - next), Vn);
+      load_tile<D, BC, Threads>(V + next * kvs.row, min(BC, nkv - next), Vn, kvs.row);
     if (Double) __pipeline_commit();
     /* K(t) has landed (and, not split, V(t)); V(t) and, double-buffered, K(t + 1) may still be
      * in flight */
@@ -258,9 +258,9 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), ForwardBlocksPe
     merge_block_stats<D>(m_blk, scale_log2, m, l, acc);
     if (!Double) __syncthreads(); /* WAR: every warp is done with S = Q K(t)^T before K(t + 1) */
     if (!Double && next < kv_end)
-      load_tile<D, BC, Threads>(K + (long)next * D, min(BC, nkv - next), Kn);
+      load_tile<D, BC, Threads>(K + next * kvs.row, min(BC, nkv - next), Kn, kvs.row);
     if (Double && split && next < kv_end)
-      load_tile<D, BC, Threads>(V + (long)next * D, min(BC, nkv - next), Vn);
+      load_tile<D, BC, Threads>(V + next * kvs.row, min(BC, nkv - next), Vn, kvs.row);
     __pipeline_commit();
     /* V(t) has landed; K(t + 1) (and, double-buffered, V(t + 1)) may still be in flight */
     __pipeline_wait_prior(Double ? 2 : 1);
@@ -271,13 +271,14 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), ForwardBlocksPe
       __syncthreads(); /* WAR: every warp is done with V(t) before V(t + 2),
                         * single-buffered V(t + 1) */
     if (!Double) {
-      if (next < kv_end) load_tile<D, BC, Threads>(V + (long)next * D, min(BC, nkv - next), Vn);
+      if (next < kv_end)
+        load_tile<D, BC, Threads>(V + next * kvs.row, min(BC, nkv - next), Vn, kvs.row);
       __pipeline_commit();
     }
   }
   __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
-  normalize_output<D>(acc, m, l, scale_log2, o + (bh * nq + row0) * D, lse + bh * nq + row0,
-                      nq - row0);
+  normalize_output<D>(acc, m, l, scale_log2, o + row_start(qs, bh, row0), lse + bh * nq + row0,
+                      nq - row0, qs.row);
 }
 
 /* The forward's tiles for this GPU: of bc_for(d) keys or Bc_small, K and V double- or
@@ -317,8 +318,8 @@ static void launch_tiles(const attn_problem *p, const attn_buffers *t) {
                              "flash_forward_kernel");
   flash_forward_kernel<D, BC, BUFFERS>
       <<<grid, threads_for(Br, row_frags(D)), bytes, attn_stream()>>>(
-          (const T *)t->q, (const T *)t->k, (const T *)t->v, (T *)t->o, t->lse, p->seq_q, p->seq_kv,
-          heads, p->scale, p->causal);
+          (const T *)t->q, (const T *)t->k, (const T *)t->v, (T *)t->o, t->lse, attn_q_strides(p),
+          attn_kv_strides(p), p->seq_q, p->seq_kv, heads, p->scale, p->causal);
   CHECK_LAUNCH("flash_forward_kernel");
 }
 

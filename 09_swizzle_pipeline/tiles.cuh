@@ -61,16 +61,17 @@ static constexpr size_t tile_bytes(int d, int bc, int rows, int buffers = 2) {
 #ifndef ATTN_WHOLE_TILES
 #define ATTN_WHOLE_TILES 1
 #endif
-/* Rows [0, rows) of a [*, D] tensor into a tile of ROWS swizzled rows; the rows past `rows` are
- * zeroed, since they enter the products (where 0 times a stale NaN is NaN). */
+/* Rows [0, rows) of a tensor whose rows start `ld` elements apart (D in [B, H, N, d], H D in
+ * [B, N, H, d]) into a tile of ROWS swizzled rows; the rows past `rows` are zeroed, since they
+ * enter the products (where 0 times a stale NaN is NaN). */
 template <int D, int ROWS, int THREADS, typename T>
-__device__ void load_tile(const T *src, int rows, T *dst) {
+__device__ void load_tile(const T *src, int rows, T *dst, long ld = D) {
   /* THREADS known at compile time: the loop unrolls, and each thread swizzles its offset once,
    * as a pass moves whole swizzle periods (8 rows). (A runtime index cost ~30 instructions.) */
   constexpr int Chunk = 16 / sizeof(T), W = D / Chunk, Step = THREADS / W; /* rows a pass */
   static_assert(THREADS % W == 0 && Step % 8 == 0, "a pass moves whole swizzle periods");
   const int tid = threadIdx.x, r = tid / W;
-  const T *from = src + tid * Chunk;
+  const T *from = src + r * ld + tid % W * Chunk;
   T *to = dst + swizzle<D, T>(r, tid % W * Chunk);
   constexpr int Passes = (ROWS * W + THREADS - 1) / THREADS;
   /* A whole tile (all but a sequence's last) copies without testing rows: in 09's forward 9
@@ -78,14 +79,14 @@ __device__ void load_tile(const T *src, int rows, T *dst) {
   if (ATTN_WHOLE_TILES && rows >= ROWS && (ROWS * W) % THREADS == 0) {
 #pragma unroll
     for (int k = 0; k < Passes; k++)
-      __pipeline_memcpy_async(to + k * Step * padded<T>(D), from + k * THREADS * Chunk, 16);
+      __pipeline_memcpy_async(to + k * Step * padded<T>(D), from + k * Step * ld, 16);
     return;
   }
 #pragma unroll
   for (int k = 0; k < Passes; k++) {
     if ((ROWS * W) % THREADS != 0 && k * THREADS + tid >= ROWS * W) break;
     if (r + k * Step < rows) /* cp.async: no waiting here, see __pipeline_wait_prior */
-      __pipeline_memcpy_async(to + k * Step * padded<T>(D), from + k * THREADS * Chunk, 16);
+      __pipeline_memcpy_async(to + k * Step * padded<T>(D), from + k * Step * ld, 16);
     else
       *reinterpret_cast<float4 *>(to + k * Step * padded<T>(D)) = float4{};
   }
@@ -95,8 +96,8 @@ __device__ void load_tile(const T *src, int rows, T *dst) {
  * take consecutive float4s, so each warp reads 512 contiguous bytes. (THREADS, not Br:
  * the dK/dV kernel reuses this with more threads per block, and for Q and dO: ROWS.) */
 template <int D, int ROWS, int THREADS, typename T>
-__device__ void load_kv_tile(const T *K, const T *V, int cols, T *Ks, T *Vs) {
-  load_tile<D, ROWS, THREADS>(K, cols, Ks), load_tile<D, ROWS, THREADS>(V, cols, Vs);
+__device__ void load_kv_tile(const T *K, const T *V, int cols, T *Ks, T *Vs, long ld = D) {
+  load_tile<D, ROWS, THREADS>(K, cols, Ks, ld), load_tile<D, ROWS, THREADS>(V, cols, Vs, ld);
 }
 
 /* The shared-memory address of element (row + lane_row, col + lane_col) of a swizzled tile
@@ -114,7 +115,7 @@ __device__ unsigned operand_address(const T *tile, int lane_row, int lane_col, i
  * the dtype, rows [0, rows) only: each lane stores its two adjacent columns as one word. */
 template <int D, int FRAGS, typename T>
 __device__ void store_tile(const float (*acc)[D / MmaN][4], const float *factor, T *out, int rows,
-                           int ld = D) {
+                           long ld = D) {
   int g = threadIdx.x % 32 / Quad, t = threadIdx.x % Quad;
 #pragma unroll
   for (int h = 0; h < 2 * FRAGS; h++) {
@@ -122,7 +123,7 @@ __device__ void store_tile(const float (*acc)[D / MmaN][4], const float *factor,
     if (r < rows)
 #pragma unroll
       for (int n = 0; n < D / MmaN; n++)
-        *reinterpret_cast<unsigned *>(out + (long)r * ld + n * MmaN + 2 * t) =
+        *reinterpret_cast<unsigned *>(out + r * ld + n * MmaN + 2 * t) =
             pack2(acc[h / 2][n][e] * factor[h], acc[h / 2][n][e + 1] * factor[h], T());
   }
 }

@@ -40,6 +40,7 @@ static const attn_stage stage = {
     .backward_workspace = backward_workspace,
     .backward = hopper_backward,
     .has_gqa = 1,
+    .has_layouts = 1,
 };
 
 int main(int argc, char **argv) { return attention_main(&stage, argc, argv); }

@@ -168,7 +168,7 @@ __device__ void multiply_pv(const unsigned (*p_frag)[4], const T *V, float (*acc
  * LSE = -inf), after adding up the quad's partial sums of l. */
 template <int D, typename T>
 __device__ void normalize_output(const float (*acc)[D / MmaN][4], const float *m, float *l,
-                                 float scale_log2, T *O, float *LSE, int rows) {
+                                 float scale_log2, T *O, float *LSE, int rows, long ld) {
   constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
   float inv_l[LaneRows];
 #pragma unroll
@@ -179,7 +179,7 @@ __device__ void normalize_output(const float (*acc)[D / MmaN][4], const float *m
     if (threadIdx.x % Quad == 0 && r < rows)
       LSE[r] = l[h] > 0.f ? (m[h] * scale_log2 + log2f(l[h])) * Ln2 : -INFINITY;
   }
-  store_tile<D, RowFrags>(acc, inv_l, O, rows);
+  store_tile<D, RowFrags>(acc, inv_l, O, rows, ld);
 }
 
 /* Shared memory of a forward block: the Q tile, KvStages K and V tiles, their mbarriers,
@@ -197,8 +197,8 @@ __global__ void __launch_bounds__(forward_threads(D), 1)
     flash_forward_kernel(const __grid_constant__ CUtensorMap q_map,
                          const __grid_constant__ CUtensorMap k_map,
                          const __grid_constant__ CUtensorMap v_map, T *__restrict__ o,
-                         float *__restrict__ lse, int nq, int nkv, int heads, int group,
-                         float scale, int causal) {
+                         float *__restrict__ lse, attn_strides qs, int nq, int nkv, int heads,
+                         int group, float scale, int causal) {
   constexpr int Cols = box_cols<D, T>(), Br = block_rows(D), Consumers = consumers(D);
   constexpr int ConsumerWarps = Consumers * WarpgroupThreads / 32;
   /* The copy engine and wgmma swizzle by address bits, so each tile, each box of a tile and
@@ -245,15 +245,17 @@ __global__ void __launch_bounds__(forward_threads(D), 1)
   auto produce = [&](int t) {
     int s = t % STAGES, parity = t / STAGES & 1;
     mbarrier_wait(&k_empty[s], parity ^ 1);
-    load_tile_async<D, Bc>(&k_map, t * Bc, bh / group, Ks + s * Bc * D, &k_full[s]);
+    load_tile_async<D, Bc>(&k_map, t * Bc, bh / group, qs.heads / group, Ks + s * Bc * D,
+                           &k_full[s]);
     mbarrier_wait(&v_empty[s], parity ^ 1);
-    load_tile_async<D, Bc>(&v_map, t * Bc, bh / group, Vs + s * Bc * D, &v_full[s]);
+    load_tile_async<D, Bc>(&v_map, t * Bc, bh / group, qs.heads / group, Vs + s * Bc * D,
+                           &v_full[s]);
   };
   const int warpgroup = threadIdx.x / WarpgroupThreads;
   if (warpgroup == 0) {
     give_registers<ProducerRegisters>();
     if (threadIdx.x == 0) {
-      load_tile_async<D, Br>(&q_map, i0, bh, Qs, q_full);
+      load_tile_async<D, Br>(&q_map, i0, bh, qs.heads, Qs, q_full);
       for (int t = 0; t < tiles; t++) produce(t);
     }
     return; /* nothing below waits for the producer but through the barriers */
@@ -330,8 +332,8 @@ __global__ void __launch_bounds__(forward_threads(D), 1)
     settle<D / 2>(&acc[0][0][0]);
     release(&v_empty[last]);
   }
-  normalize_output<D>(acc, m, l, scale_log2, o + (bh * nq + row0) * D, lse + bh * nq + row0,
-                      nq - row0);
+  normalize_output<D>(acc, m, l, scale_log2, o + row_start(qs, bh, row0), lse + bh * nq + row0,
+                      nq - row0, qs.row);
 }
 
 /* The driver's tensor-map encoder, looked up through the runtime (cudaGetDriverEntryPoint)
@@ -351,20 +353,22 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
-/* A [heads, rows, D] tensor as TMA sees it, copied in boxes of BoxCols columns x ROWS rows of
- * one head, swizzled like the tiles above; rows past `rows` read as zeros. */
+/* A tensor of `batch` sequences of s.heads heads of `rows` rows, laid out as `s` says ([B, H, N,
+ * d] or [B, N, H, d]), as TMA sees it: dims (D, rows, heads, batch), copied in boxes of BoxCols
+ * columns x ROWS rows of one head, swizzled like the tiles above; rows past `rows` read as
+ * zeros. */
 template <int D, int ROWS, typename T>
-static CUtensorMap tile_map(const void *tensor, int rows, long heads) {
+static CUtensorMap tile_map(const void *tensor, attn_strides s, int rows, int batch) {
   constexpr int Cols = box_cols<D, T>();
-  cuuint64_t dims[3] = {(cuuint64_t)D, (cuuint64_t)rows, (cuuint64_t)heads};
-  cuuint64_t strides[2] = {D * sizeof(T), (cuuint64_t)rows * D * sizeof(T)}; /* bytes */
-  cuuint32_t box[3] = {(cuuint32_t)Cols, (cuuint32_t)ROWS, 1}, steps[3] = {1, 1, 1};
+  cuuint64_t dims[4] = {(cuuint64_t)D, (cuuint64_t)rows, (cuuint64_t)s.heads, (cuuint64_t)batch};
+  cuuint64_t strides[3] = {s.row * sizeof(T), s.head * sizeof(T), s.batch * sizeof(T)}; /* bytes */
+  cuuint32_t box[4] = {(cuuint32_t)Cols, (cuuint32_t)ROWS, 1, 1}, steps[4] = {1, 1, 1, 1};
   CUtensorMap map;
   CUresult r = tensor_map_encoder()(
       &map,
       std::is_same_v<T, __half> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
                                 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-      3, const_cast<void *>(tensor), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      4, const_cast<void *>(tensor), dims, strides, box, steps, CU_TENSOR_MAP_INTERLEAVE_NONE,
       Cols * sizeof(T) == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
       CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
@@ -374,18 +378,19 @@ static CUtensorMap tile_map(const void *tensor, int rows, long heads) {
 
 template <int D, int STAGES, typename T>
 static void launch_forward(const attn_problem *p, const attn_buffers *t) {
-  int heads = p->batch * p->heads, kv_heads = p->batch * attn_heads_kv(p);
+  int heads = p->batch * p->heads;
   constexpr int Br = block_rows(D);
   dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
-  CUtensorMap q_map = tile_map<D, Br, T>(t->q, p->seq_q, heads);
-  CUtensorMap k_map = tile_map<D, Bc, T>(t->k, p->seq_kv, kv_heads);
-  CUtensorMap v_map = tile_map<D, Bc, T>(t->v, p->seq_kv, kv_heads);
+  attn_strides qs = attn_q_strides(p), kvs = attn_kv_strides(p);
+  CUtensorMap q_map = tile_map<D, Br, T>(t->q, qs, p->seq_q, p->batch);
+  CUtensorMap k_map = tile_map<D, Bc, T>(t->k, kvs, p->seq_kv, p->batch);
+  CUtensorMap v_map = tile_map<D, Bc, T>(t->v, kvs, p->seq_kv, p->batch);
   size_t bytes = forward_bytes<T>(D, STAGES);
   attn_require_shared_memory((const void *)flash_forward_kernel<D, STAGES, T>, bytes,
                              "flash_forward_kernel");
   flash_forward_kernel<D, STAGES, T><<<grid, forward_threads(D), bytes, attn_stream()>>>(
-      q_map, k_map, v_map, (T *)t->o, t->lse, p->seq_q, p->seq_kv, heads, attn_group(p), p->scale,
-      p->causal);
+      q_map, k_map, v_map, (T *)t->o, t->lse, qs, p->seq_q, p->seq_kv, heads, attn_group(p),
+      p->scale, p->causal);
   CHECK_LAUNCH("flash_forward_kernel");
 }
 

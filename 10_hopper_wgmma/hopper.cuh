@@ -57,26 +57,29 @@ __device__ void mbarrier_wait(uint64_t *bar, int parity) {
   } while (!done);
 }
 
-/* One box (BoxCols columns x the map's box rows) of head `head`, from row `row` and column
- * `col`, into shared memory; rows past the head's end arrive as zeros. The tensor map is a
- * __grid_constant__ kernel parameter, addressed where it lies. */
-__device__ void tma_load_box(void *dst, const CUtensorMap *map, int col, int row, int head,
+/* One box (BoxCols columns x the map's box rows) of head `head` of sequence `seq`, from row
+ * `row` and column `col`, into shared memory; rows past the head's end arrive as zeros. The
+ * tensor map is a __grid_constant__ kernel parameter, addressed where it lies. */
+__device__ void tma_load_box(void *dst, const CUtensorMap *map, int col, int row, int head, int seq,
                              uint64_t *bar) {
   asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(shared_address(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(head), "r"(shared_address(bar))
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];" ::"r"(shared_address(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(col), "r"(row), "r"(head), "r"(seq),
+      "r"(shared_address(bar))
       : "memory");
 }
-/* Rows [row, row + ROWS) of head `head` into a tile, every box of it, counted on `bar`: the
- * barrier expects the whole tile's bytes (a box past the end still writes, and counts, all of
- * its bytes). */
+/* Rows [row, row + ROWS) of head `head` (b heads + h, of `heads` a sequence) into a tile, every
+ * box of it, counted on `bar`: the barrier expects the whole tile's bytes (a box past the end
+ * still writes, and counts, all of its bytes). */
 template <int D, int ROWS, typename T>
-__device__ void load_tile_async(const CUtensorMap *map, int row, long head, T *dst, uint64_t *bar) {
+__device__ void load_tile_async(const CUtensorMap *map, int row, long head, int heads, T *dst,
+                                uint64_t *bar) {
   constexpr int Cols = box_cols<D, T>();
+  int h = (int)(head % heads), b = (int)(head / heads);
   mbarrier_expect_bytes(bar, ROWS * D * sizeof(T));
 #pragma unroll
-  for (int c = 0; c < D; c += Cols) tma_load_box(dst + c * ROWS, map, c, row, (int)head, bar);
+  for (int c = 0; c < D; c += Cols) tma_load_box(dst + c * ROWS, map, c, row, h, b, bar);
 }
 
 /* The 64-bit descriptor of a wgmma operand in shared memory:

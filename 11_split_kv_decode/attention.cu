@@ -38,6 +38,7 @@ static const attn_stage stage = {
     .backward = mha_backward,
     .has_gqa = 1,
     .has_cache_lens = 1,
+    .has_layouts = 1,
 };
 
 int main(int argc, char **argv) { return attention_main(&stage, argc, argv); }

@@ -157,7 +157,7 @@ static_assert(decode_bytes<__half>(128, 2) <= 99 * 1024,
 template <int D, int FRAGS, typename T>
 __device__ void merge_warps(const float (*acc)[D / MmaN][4], const float *m, float *l,
                             float scale_log2, float *work, float *part_o, float *part_lse, T *o,
-                            float *lse, int rows) {
+                            float *lse, int rows, int nq, const attn_strides &qs) {
   constexpr int RowFrags = FRAGS, LaneRows = 2 * RowFrags, Rows = FRAGS * MmaM;
   float *o_s = work, *m_s = o_s + DecodeWarps * Rows * D, *l_s = m_s + DecodeWarps * Rows;
   int w = threadIdx.x / 32, g = threadIdx.x % 32 / Quad, t = threadIdx.x % Quad;
@@ -189,8 +189,8 @@ __device__ void merge_warps(const float (*acc)[D / MmaN][4], const float *m, flo
     }
     float inv = sum > 0.f ? 1.f / sum : 0.f, row_lse = mx * scale_log2 + log2f(sum);
     out = make_float4(out.x * inv, out.y * inv, out.z * inv, out.w * inv);
-    if (o) { /* the only chunk: the partial is the output */
-      *reinterpret_cast<uint2 *>(o + e) =
+    if (o) { /* the only chunk: the partial is the output, row r = g Nq + i query i of head g */
+      *reinterpret_cast<uint2 *>(o + r / nq * qs.head + r % nq * qs.row + e % D) =
           make_uint2(pack2(out.x, out.y, T()), pack2(out.z, out.w, T()));
       if (e % D == 0) lse[r] = sum > 0.f ? row_lse * Ln2 : -INFINITY;
     } else {
@@ -202,6 +202,22 @@ __device__ void merge_warps(const float (*acc)[D / MmaN][4], const float *m, flo
 
 #include "merge.cuh"
 
+/* The group's rows of Q into a tile of ROWS swizzled rows: row r = g Nq + i is query i of the
+ * group's head g (in [B, H, N, d] simply r D on, in [B, N, H, d] two strides); rows past `rows`
+ * are zeroed. Once a block, a few rows: a plain loop, not load_tile's unrolled one. */
+template <int D, int ROWS, typename T>
+__device__ void load_group_rows(const T *q, int rows, int nq, const attn_strides &qs, T *dst) {
+  constexpr int Chunk = 16 / sizeof(T), W = D / Chunk; /* 16-byte chunks a row */
+  for (int e = threadIdx.x; e < ROWS * W; e += DecodeThreads) {
+    int r = e / W, c = e % W * Chunk;
+    T *to = dst + swizzle<D, T>(r, c);
+    if (r < rows)
+      __pipeline_memcpy_async(to, q + r / nq * qs.head + r % nq * qs.row + c, 16);
+    else
+      *reinterpret_cast<float4 *>(to) = float4{};
+  }
+}
+
 /* One block: chunk `blockIdx.x % chunks` of K/V head pair = blockIdx.x / chunks (b Hkv + K/V
  * head), so a head's chunks are adjacent. 09's forward loop, K and V in a ring of STAGES
  * tiles and waited for separately; warp w computes the tile's keys [16 w, 16 w + 16) for all
@@ -211,8 +227,8 @@ __global__ void __launch_bounds__(DecodeThreads, 2)
     flash_decode_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                         const int *__restrict__ cache_lens, float *__restrict__ part_o,
                         float *__restrict__ part_lse, T *__restrict__ o, float *__restrict__ lse,
-                        int nq, int nkv, int heads_kv, int group, int chunk_keys, int chunks,
-                        bool merge, float scale, int causal) {
+                        attn_strides qs, attn_strides kvs, int nq, int nkv, int heads_kv, int group,
+                        int chunk_keys, int chunks, bool merge, float scale, int causal) {
   constexpr int RowFrags = FRAGS, LaneRows = 2 * RowFrags, Rows = FRAGS * MmaM;
   constexpr int BC = DecodeKeys, ld = padded<T>(D);
   /* K and V stages of BC rows each, then Q: every tile starts on its swizzle period */
@@ -225,7 +241,7 @@ __global__ void __launch_bounds__(DecodeThreads, 2)
   int j_begin = (int)(blockIdx.x % chunks) * chunk_keys, j_end = min(len, j_begin + chunk_keys);
   if (j_begin >= len && merge) return; /* past the cache: the merge reads nothing of it */
   int rows = group * nq, w = threadIdx.x / 32, g = threadIdx.x % 32 / Quad;
-  const T *K = k + pair * nkv * D, *V = v + pair * nkv * D;
+  const T *K = k + row_start(kvs, pair, 0), *V = v + row_start(kvs, pair, 0);
   float acc[RowFrags][D / MmaN][4] = {};
   float m[LaneRows], l[LaneRows], m_blk[LaneRows];
   unsigned q_frag[RowFrags == 1 ? D / MmaK : 1][4];
@@ -237,7 +253,7 @@ __global__ void __launch_bounds__(DecodeThreads, 2)
     m[h] = -INFINITY, l[h] = 0.f;
     row_end[h] = causal ? min(len, (g + 8 * h) % nq + len - nq + 1) : len;
   }
-  load_tile<D, Rows, DecodeThreads>(q + pair * rows * D, rows, Qs);
+  load_group_rows<D, Rows>(q + row_start(qs, pair * group, 0), rows, nq, qs, Qs);
   float scale_log2 = scale == 0.f ? Log2e : fabsf(scale) * Log2e;
   if (scale <= 0.f) {
     __pipeline_commit();
@@ -253,10 +269,12 @@ __global__ void __launch_bounds__(DecodeThreads, 2)
   for (int s = 0; s < STAGES - 1; s++) {
     int j = j_begin + s * BC;
     if (j < j_end)
-      load_tile<D, BC, DecodeThreads>(K + (long)j * D, min(BC, j_end - j), Ks + s * BC * ld);
+      load_tile<D, BC, DecodeThreads>(K + j * kvs.row, min(BC, j_end - j), Ks + s * BC * ld,
+                                      kvs.row);
     __pipeline_commit();
     if (j < j_end)
-      load_tile<D, BC, DecodeThreads>(V + (long)j * D, min(BC, j_end - j), Vs + s * BC * ld);
+      load_tile<D, BC, DecodeThreads>(V + j * kvs.row, min(BC, j_end - j), Vs + s * BC * ld,
+                                      kvs.row);
     __pipeline_commit();
   }
   /* Groups committed after K(t) when it is waited for: V(t), K and V of the STAGES - 2 tiles
@@ -267,7 +285,7 @@ __global__ void __launch_bounds__(DecodeThreads, 2)
     int nbuf = (buf + STAGES - 1) % STAGES; /* the buffer of tile t - 1, done with */
     T *Kn = Ks + nbuf * BC * ld, *Vn = Vs + nbuf * BC * ld;
     if (next < j_end)
-      load_tile<D, BC, DecodeThreads>(K + (long)next * D, min(BC, j_end - next), Kn);
+      load_tile<D, BC, DecodeThreads>(K + next * kvs.row, min(BC, j_end - next), Kn, kvs.row);
     __pipeline_commit();
     __pipeline_wait_prior(InFlight); /* K(t) has landed; V(t) and later tiles may be in flight */
     __syncthreads(); /* RAW: K(t) (the first time, Q too) is in shared memory; WAR: every warp is
@@ -289,7 +307,7 @@ __global__ void __launch_bounds__(DecodeThreads, 2)
     compute_qk_scores_and_max<D, MmaK, FRAGS>(Qs, q_frag, Kt, masked, row_cols, s, m_blk);
     merge_block_stats<D, FRAGS>(m_blk, scale_log2, m, l, acc);
     if (next < j_end)
-      load_tile<D, BC, DecodeThreads>(V + (long)next * D, min(BC, j_end - next), Vn);
+      load_tile<D, BC, DecodeThreads>(V + next * kvs.row, min(BC, j_end - next), Vn, kvs.row);
     __pipeline_commit();
     __pipeline_wait_prior(InFlight); /* V(t) has landed; later tiles may still be in flight */
     __syncthreads();                 /* RAW: V(t) is in shared memory; WAR: every warp is done with
@@ -299,11 +317,12 @@ __global__ void __launch_bounds__(DecodeThreads, 2)
   __pipeline_wait_prior(0); /* nothing is left in flight: the tiles' memory is reused below */
   __syncthreads();          /* WAR: every warp is done with the last K and V tiles (and Q) */
   /* Without a merge (one chunk a sequence), the block's rows are the output's rows
-   * (b H + h) Nq + i, from (b Hkv + K/V head) G Nq on. */
+   * (b H + h) Nq + i of heads (b Hkv + K/V head) G on. */
   long first = (long)blockIdx.x * rows;
   merge_warps<D, FRAGS>(acc, m, l, scale_log2, reinterpret_cast<float *>(smem),
                         merge ? part_o + first * D : nullptr, merge ? part_lse + first : nullptr,
-                        merge ? nullptr : o + first * D, lse + first, rows);
+                        merge ? nullptr : o + row_start(qs, pair * group, 0), lse + first, rows, nq,
+                        qs);
 }
 
 /* The decode kernel this GPU runs: DecodeStages of K and V where they fit the shared memory,
@@ -354,8 +373,9 @@ static void launch_decode(const attn_problem *p, const attn_buffers *t) {
   flash_decode_kernel<D, FRAGS, STAGES>
       <<<(unsigned)blocks, DecodeThreads, decode_bytes<T>(D, STAGES), attn_stream()>>>(
           (const T *)t->q, (const T *)t->k, (const T *)t->v, t->cache_lens, part_o, part_lse,
-          (T *)t->o, t->lse, p->seq_q, p->seq_kv, attn_heads_kv(p), attn_group(p), plan.chunk_keys,
-          plan.chunks, plan.merge, p->scale, p->causal);
+          (T *)t->o, t->lse, attn_q_strides(p), attn_kv_strides(p), p->seq_q, p->seq_kv,
+          attn_heads_kv(p), attn_group(p), plan.chunk_keys, plan.chunks, plan.merge, p->scale,
+          p->causal);
   CHECK_LAUNCH("flash_decode_kernel");
   if (!plan.merge) return; /* the decode blocks wrote O and LSE */
   /* The merge as a programmatic dependent launch where the GPU has it (see wait_for_decode). */
@@ -373,8 +393,8 @@ static void launch_decode(const attn_problem *p, const attn_buffers *t) {
   config.numAttrs = major >= 9 ? 1 : 0;
   CUDA_CHECK(cudaLaunchKernelEx(&config, merge_chunks_kernel<D, T>, (const float *)part_o,
                                 (const float *)part_lse, (const int *)t->cache_lens, (T *)t->o,
-                                t->lse, p->seq_q, p->seq_kv, p->heads, attn_group(p),
-                                plan.chunk_keys, plan.chunks));
+                                t->lse, attn_q_strides(p), p->seq_q, p->seq_kv, p->heads,
+                                attn_group(p), plan.chunk_keys, plan.chunks));
   CHECK_LAUNCH("merge_chunks_kernel");
 }
 

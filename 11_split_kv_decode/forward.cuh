@@ -161,7 +161,7 @@ __device__ void compute_block_softmax_and_weighted_v(float (*s)[BC / MmaN][4], c
  * LSE = -inf), after adding up the quad's partial sums of l. */
 template <int D, typename T>
 __device__ void normalize_output(const float (*acc)[D / MmaN][4], const float *m, float *l,
-                                 float scale_log2, T *O, float *LSE, int rows) {
+                                 float scale_log2, T *O, float *LSE, int rows, long ld) {
   constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
   float inv_l[LaneRows];
 #pragma unroll
@@ -172,15 +172,15 @@ __device__ void normalize_output(const float (*acc)[D / MmaN][4], const float *m
     if (threadIdx.x % Quad == 0 && r < rows)
       LSE[r] = l[h] > 0.f ? (m[h] * scale_log2 + log2f(l[h])) * Ln2 : -INFINITY;
   }
-  store_tile<D, RowFrags>(acc, inv_l, O, rows);
+  store_tile<D, RowFrags>(acc, inv_l, O, rows, ld);
 }
 
 template <int D, int BC, bool GROUPED, typename T>
 __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
     flash_forward_kernel(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                          const int *__restrict__ cache_lens, T *__restrict__ o,
-                         float *__restrict__ lse, int nq, int nkv, int heads, int seq_heads,
-                         int group, float scale, int causal) {
+                         float *__restrict__ lse, attn_strides qs, attn_strides kvs, int nq,
+                         int nkv, int heads, int seq_heads, int group, float scale, int causal) {
   constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
   constexpr int Threads = threads_for(Br, RowFrags);
   /* K and V buffers of BC rows each, then Q: every tile starts on its swizzle period */
@@ -200,12 +200,12 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
   /* A thread past the last row still helps load tiles and meets every barrier. */
   /* The warp's rows start at row0; this lane holds rows i + 8 h. */
   int row0 = i0 + threadIdx.x / 32 * RowFrags * MmaM, i = row0 + threadIdx.x % 32 / Quad;
-  /* Query head bh reads K/V head bh / G (b H / G = b Hkv), whose rows are Nkv apart (the
-   * cache's capacity); sequence b = bh / H holds `len` valid keys. Not GROUPED (G = 1, no
+  /* Query head bh reads K/V head bh / G (b H / G = b Hkv), of Nkv rows (the cache's
+   * capacity); sequence b = bh / H holds `len` valid keys. Not GROUPED (G = 1, no
    * cache lengths), head bh and Nkv keys, as in 09: held in registers, the quotient and `len`
    * cost the d = 64 tile loop 62 more instructions (IMAD) and 20 bytes of spill. */
   const long kv_head = GROUPED ? bh / group : bh;
-  const T *K = k + kv_head * nkv * D, *V = v + kv_head * nkv * D;
+  const T *K = k + row_start(kvs, kv_head, 0), *V = v + row_start(kvs, kv_head, 0);
   int len = GROUPED && cache_lens ? cache_lens[bh / seq_heads] : nkv;
   const T *Qw = Qs + (row0 - i0) * padded<T>(D); /* the warp's rows */
   float acc[RowFrags][D / MmaN][4] = {};
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
   unsigned q_frag[RowFrags == 1 ? D / MmaK : 1][4]; /* 16-row warps: Q in registers */
 #pragma unroll
   for (int h = 0; h < LaneRows; h++) m[h] = -INFINITY, l[h] = 0.f;
-  load_tile<D, Br, Threads>(q + (bh * nq + i0) * D, min(Br, nq - i0), Qs);
+  load_tile<D, Br, Threads>(q + row_start(qs, bh, i0), min(Br, nq - i0), Qs, qs.row);
   /* The row max is taken on the raw S, which is right for a positive scale only: a negative
    * scale is a positive one on -Q (exact), and a zero scale sees Q = 0. */
   float scale_log2 = scale == 0.f ? Log2e : fabsf(scale) * Log2e;
@@ -232,16 +232,17 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
   /* K(t) and V(t) in copy groups of their own (Q joins K(0)'s), so that each product waits
    * only for its operand. -DATTN_SPLIT_WAITS=0 waits for both at a tile's top, as 08 does. */
   constexpr bool split = ATTN_SPLIT_WAITS;
-  if (kv_end > 0) load_tile<D, BC, Threads>(K, min(BC, len), Ks);
+  if (kv_end > 0) load_tile<D, BC, Threads>(K, min(BC, len), Ks, kvs.row);
   __pipeline_commit();
-  if (kv_end > 0) load_tile<D, BC, Threads>(V, min(BC, len), Vs);
+  if (kv_end > 0) load_tile<D, BC, Threads>(V, min(BC, len), Vs, kvs.row);
   __pipeline_commit();
   for (int j0 = 0, buf = 0; j0 < kv_end; j0 += BC, buf ^= 1) {
     int cols = min(BC, len - j0), next = j0 + BC;
     T *Kn = Ks + (buf ^ 1) * BC * padded<T>(D), *Vn = Vs + (buf ^ 1) * BC * padded<T>(D);
-    if (next < kv_end) load_tile<D, BC, Threads>(K + (long)next * D, min(BC, len - next), Kn);
+    if (next < kv_end)
+      load_tile<D, BC, Threads>(K + next * kvs.row, min(BC, len - next), Kn, kvs.row);
     if (!split && next < kv_end)
-      load_tile<D, BC, Threads>(V + (long)next * D, min(BC, len - next), Vn);
+      load_tile<D, BC, Threads>(V + next * kvs.row, min(BC, len - next), Vn, kvs.row);
     __pipeline_commit();
     /* K(t) has landed (and, not split, V(t)); V(t) and K(t + 1) may still be in flight */
     __pipeline_wait_prior(split ? 2 : 1);
@@ -263,7 +264,7 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
     compute_qk_scores_and_max<D, BC>(Qw, q_frag, Kt, diagonal || cols < BC, row_cols, s, m_blk);
     merge_block_stats<D>(m_blk, scale_log2, m, l, acc);
     if (split && next < kv_end)
-      load_tile<D, BC, Threads>(V + (long)next * D, min(BC, len - next), Vn);
+      load_tile<D, BC, Threads>(V + next * kvs.row, min(BC, len - next), Vn, kvs.row);
     __pipeline_commit();
     __pipeline_wait_prior(2); /* V(t) has landed; K(t + 1) and V(t + 1) may still be in flight */
     __syncthreads();          /* RAW: V(t) is in shared memory; WAR: every warp is done with
@@ -272,8 +273,8 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
     if (!split) __syncthreads(); /* WAR: every warp is done with V(t) before V(t + 2) */
   }
   __pipeline_wait_prior(0); /* nothing is left in flight when the block exits */
-  normalize_output<D>(acc, m, l, scale_log2, o + (bh * nq + row0) * D, lse + bh * nq + row0,
-                      nq - row0);
+  normalize_output<D>(acc, m, l, scale_log2, o + row_start(qs, bh, row0), lse + bh * nq + row0,
+                      nq - row0, qs.row);
 }
 
 #include "decode.cuh"
@@ -295,8 +296,9 @@ static void launch(const attn_problem *p, const attn_buffers *t) {
       grouped ? flash_forward_kernel<D, BC, true, T> : flash_forward_kernel<D, BC, false, T>;
   attn_require_shared_memory((const void *)kernel, bytes, "flash_forward_kernel");
   kernel<<<grid, threads_for(Br, row_frags(D)), bytes, attn_stream()>>>(
-      (const T *)t->q, (const T *)t->k, (const T *)t->v, t->cache_lens, (T *)t->o, t->lse, p->seq_q,
-      p->seq_kv, heads, p->heads, attn_group(p), p->scale, p->causal);
+      (const T *)t->q, (const T *)t->k, (const T *)t->v, t->cache_lens, (T *)t->o, t->lse,
+      attn_q_strides(p), attn_kv_strides(p), p->seq_q, p->seq_kv, heads, p->heads, attn_group(p),
+      p->scale, p->causal);
   CHECK_LAUNCH("flash_forward_kernel");
 }
 

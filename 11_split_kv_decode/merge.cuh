@@ -56,8 +56,8 @@ template <int D, typename T>
 __global__ void __launch_bounds__(MergeThreads)
     merge_chunks_kernel(const float *__restrict__ part_o, const float *__restrict__ part_lse,
                         const int *__restrict__ cache_lens, T *__restrict__ o,
-                        float *__restrict__ lse, int nq, int nkv, int heads, int group,
-                        int chunk_keys, int chunks) {
+                        float *__restrict__ lse, attn_strides qs, int nq, int nkv, int heads,
+                        int group, int chunk_keys, int chunks) {
   constexpr int Groups = D / 4, Ways = MergeThreads / Groups;
   static_assert(MergeThreads % Groups == 0, "every thread has a group of columns");
   __shared__ merge_state merged[MergeThreads];
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(MergeThreads)
     merge_into(x, y.m, y.s, y.a);
   }
   float inv = x.s > 0.f ? 1.f / x.s : 0.f; /* s = 0: the row saw no key, O = 0 */
-  *reinterpret_cast<uint2 *>(o + row * D + group4 * 4) =
+  *reinterpret_cast<uint2 *>(o + row_start(qs, bh, row % nq) + group4 * 4) =
       make_uint2(pack2(x.a.x * inv, x.a.y * inv, T()), pack2(x.a.z * inv, x.a.w * inv, T()));
   if (threadIdx.x == 0) lse[row] = x.s > 0.f ? (x.m + log2f(x.s)) * Ln2 : -INFINITY;
 }

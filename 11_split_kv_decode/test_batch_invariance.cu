@@ -103,7 +103,8 @@ static void run_case(int heads, int heads_kv, int nq, int d, attn_dtype dtype, i
                      const int *lens, int forced_chunk, uint64_t seed) {
   int batch = MaxBatch, nkv = 1;
   for (int b = 0; b < batch; b++) nkv = max(nkv, lens[b]);
-  attn_problem p = {batch, heads, nq, nkv, d, causal, 1.f / sqrtf((float)d), dtype, heads_kv, lens};
+  attn_problem p = {batch, heads,    nq,   nkv,        d, causal, 1.f / sqrtf((float)d),
+                    dtype, heads_kv, lens, LAYOUT_BHND};
   bool path09 = !decode_shaped(&p, d);
   if (forced_chunk) {
     char text[16];
@@ -140,7 +141,8 @@ static void run_case(int heads, int heads_kv, int nq, int d, attn_dtype dtype, i
   for (int b = 0; b < batch; b++) {
     /* Sequence b alone: B = 1, its cache's capacity its own length (at least 1 key). */
     int len = lens[b], cap = max(1, len);
-    attn_problem one = {1, heads, nq, cap, d, causal, p.scale, dtype, heads_kv, &lens[b]};
+    attn_problem one = {1,       heads, nq,       cap,      d,          causal,
+                        p.scale, dtype, heads_kv, &lens[b], LAYOUT_BHND};
     uint16_t *k1 = (uint16_t *)attn_host_alloc(attn_kv_elems(&one) * sizeof(uint16_t), "K");
     uint16_t *v1 = (uint16_t *)attn_host_alloc(attn_kv_elems(&one) * sizeof(uint16_t), "V");
     for (int h = 0; h < heads_kv; h++) {

@@ -20,8 +20,8 @@
 /* B sequences, the first holding `len` keys and the others half as many (ragged). */
 static decode_plan plan_for(int batch, int heads_kv, int len, long sms, int *lens) {
   for (int b = 0; b < batch; b++) lens[b] = b == 0 ? len : len / 2;
-  attn_problem p = {batch, 4 * heads_kv, 1,          len > 0 ? len : 1, 128,
-                    0,     1.f,          DTYPE_FP16, heads_kv,          lens};
+  attn_problem p = {batch,      4 * heads_kv, 1,    len > 0 ? len : 1, 128, 0, 1.f,
+                    DTYPE_FP16, heads_kv,     lens, LAYOUT_BHND};
   return plan_chunks(&p, sms);
 }
 
@@ -99,7 +99,7 @@ int main(void) {
   for (int batch : {1, 8, 32})
     for (int len = 1024; len <= 131072; len *= 2) {
       for (int b = 0; b < batch; b++) cache_lens[b] = len;
-      attn_problem p = {batch, 32, 1, len, 128, 0, 1.f, DTYPE_FP16, 8, cache_lens};
+      attn_problem p = {batch, 32, 1, len, 128, 0, 1.f, DTYPE_FP16, 8, cache_lens, LAYOUT_BHND};
       decode_plan plan = plan_chunks(&p, 132);
       long blocks = (long)batch * 8 * plan.chunks;
       printf("  %-3d %-6d %-11d %-7d %-7ld %.1f\n", batch, len, plan.chunk_keys, plan.chunks,

@@ -23,6 +23,7 @@ static const attn_stage stage = {
     .backward = hopper_backward,
     .has_gqa = 1,
     .has_gqa_backward = 1,
+    .has_layouts = 1,
 };
 
 int main(int argc, char **argv) { return attention_main(&stage, argc, argv); }

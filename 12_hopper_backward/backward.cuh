@@ -97,8 +97,9 @@ __global__ void __launch_bounds__(HbThreads, 1)
                            const __grid_constant__ CUtensorMap do_map,
                            const float *__restrict__ lse, const float *__restrict__ delta,
                            const float *__restrict__ ds_stats, T *__restrict__ dk,
-                           T *__restrict__ dv, float *__restrict__ dq_accum, int *dq_turns, int nq,
-                           int nkv, int kv_heads, int group, float scale, int causal) {
+                           T *__restrict__ dv, float *__restrict__ dq_accum, int *dq_turns,
+                           attn_strides kvs, int nq, int nkv, int kv_heads, int group, float scale,
+                           int causal) {
   using L = HbLayout<D, T>;
   constexpr int HbRows = L::Rows, HbStages = L::Stages;
   /* Aligned by an offset from the shared array itself, as 10's forward is, so that the
@@ -157,8 +158,8 @@ __global__ void __launch_bounds__(HbThreads, 1)
     give_registers<ProducerRegisters>();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (warp == CopyWarp && lane == 0) {
-      load_tile_async<D, HbKeys, T>(&k_map, j0, bh_kv, Ks, kv_full);
-      load_tile_async<D, HbKeys, T>(&v_map, j0, bh_kv, Vs, kv_full);
+      load_tile_async<D, HbKeys, T>(&k_map, j0, bh_kv, kvs.heads, Ks, kv_full);
+      load_tile_async<D, HbKeys, T>(&v_map, j0, bh_kv, kvs.heads, Vs, kv_full);
     }
     if ((warp != CopyWarp || lane != 0) && warp != RowStatsWarp) return;
     const float dss = ds_scale(ds_stats);
@@ -168,8 +169,10 @@ __global__ void __launch_bounds__(HbThreads, 1)
       /* WAR: every consumer thread is done with the stage's last tile before it is refilled */
       if (t >= HbStages) mbarrier_wait(&empty[s], (t / HbStages - 1) % 2);
       if (warp == CopyWarp) {
-        load_tile_async<D, HbRows, T>(&q_map, i0, head, Qs + s * RowTile, &full[s]);
-        load_tile_async<D, HbRows, T>(&do_map, i0, head, dOs + s * RowTile, &full[s]);
+        load_tile_async<D, HbRows, T>(&q_map, i0, head, kvs.heads * group, Qs + s * RowTile,
+                                      &full[s]);
+        load_tile_async<D, HbRows, T>(&do_map, i0, head, kvs.heads * group, dOs + s * RowTile,
+                                      &full[s]);
         continue;
       }
       /* LSE in log2 units and D ds_scale (see probabilities_and_ds); 0 past the queries,
@@ -257,16 +260,17 @@ __global__ void __launch_bounds__(HbThreads, 1)
   /* dK = scale / ds_scale dS^T Q, dV = P^T dO: the warp's 16 keys, rows past nkv not stored. */
   float dk_factor[2] = {scale / dss, scale / dss}, dv_factor[2] = {1.f, 1.f};
   store_tile<D, 1>(reinterpret_cast<const float(*)[D / MmaN][4]>(dk_acc), dk_factor,
-                   dk + (bh_kv * nkv + jw) * D, nkv - jw);
+                   dk + row_start(kvs, bh_kv, jw), nkv - jw, kvs.row);
   store_tile<D, 1>(reinterpret_cast<const float(*)[D / MmaN][4]>(dv_acc), dv_factor,
-                   dv + (bh_kv * nkv + jw) * D, nkv - jw);
+                   dv + row_start(kvs, bh_kv, jw), nkv - jw, kvs.row);
 }
 
 /* dQ = scale / ds_scale times the fp32 sums, in the dtype and in row order: a thread takes the
- * four floats of one accumulator (store_dq_part's order), two columns of two rows. */
+ * four floats of one accumulator (store_dq_part's order), two columns of two rows. The tiles
+ * are [B, H, N, d]; dQ is laid out as `qs` says. */
 template <int D, typename T>
 __global__ void convert_dq_tiles(const float *dq_accum, const float *ds_stats, T *dq, long tiles,
-                                 int nq, float scale) {
+                                 attn_strides qs, int nq, float scale) {
   constexpr int HbRows = hb_rows(D), PartFloats = HbRows * D / HbConsumers;
   long at = (blockIdx.x * (long)blockDim.x + threadIdx.x) * 4;
   if (at >= tiles * HbRows * D) return;
@@ -281,9 +285,9 @@ __global__ void convert_dq_tiles(const float *dq_accum, const float *ds_stats, T
   float4 v = *reinterpret_cast<const float4 *>(dq_accum + at);
   float f = scale / ds_scale(ds_stats);
   if (r < nq)
-    *reinterpret_cast<unsigned *>(dq + (head * nq + r) * D + col) = pack2(v.x * f, v.y * f, T());
+    *reinterpret_cast<unsigned *>(dq + row_start(qs, head, r) + col) = pack2(v.x * f, v.y * f, T());
   if (r + 8 < nq)
-    *reinterpret_cast<unsigned *>(dq + (head * nq + r + 8) * D + col) =
+    *reinterpret_cast<unsigned *>(dq + row_start(qs, head, r + 8) + col) =
         pack2(v.z * f, v.w * f, T());
 }
 
@@ -312,27 +316,28 @@ static void launch_hopper_backward(const attn_problem *p, const attn_buffers *t)
   long tile_floats = (long)hb_tile_floats(p);
   float *ds_stats = dq_accum + tile_floats;
   int *turns = attn_deterministic() ? reinterpret_cast<int *>(ds_stats + DsStats) : nullptr;
-  launch_delta<D, T>(t, delta, std::is_same_v<T, __half> ? ds_stats : nullptr, rows, kv_rows);
+  launch_delta<D, T>(p, t, delta, std::is_same_v<T, __half> ? ds_stats : nullptr, rows, kv_rows);
   if (!std::is_same_v<T, __half>) ds_stats = nullptr; /* bf16: no scaling of dS */
   CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, sizeof(float) * tile_floats, attn_stream()));
   if (turns) CUDA_CHECK(cudaMemsetAsync(turns, 0, sizeof(int) * hb_turns(p), attn_stream()));
-  CUtensorMap q_map = tile_map<D, hb_rows(D), T>(t->q, p->seq_q, heads);
-  CUtensorMap do_map = tile_map<D, hb_rows(D), T>(t->d_o, p->seq_q, heads);
-  CUtensorMap k_map = tile_map<D, HbKeys, T>(t->k, p->seq_kv, kv_heads);
-  CUtensorMap v_map = tile_map<D, HbKeys, T>(t->v, p->seq_kv, kv_heads);
+  attn_strides qs = attn_q_strides(p), kvs = attn_kv_strides(p);
+  CUtensorMap q_map = tile_map<D, hb_rows(D), T>(t->q, qs, p->seq_q, p->batch);
+  CUtensorMap do_map = tile_map<D, hb_rows(D), T>(t->d_o, qs, p->seq_q, p->batch);
+  CUtensorMap k_map = tile_map<D, HbKeys, T>(t->k, kvs, p->seq_kv, p->batch);
+  CUtensorMap v_map = tile_map<D, HbKeys, T>(t->v, kvs, p->seq_kv, p->batch);
   size_t bytes = HbLayout<D, T>::bytes;
   attn_require_shared_memory((const void *)hopper_backward_kernel<D, T>, bytes,
                              "hopper_backward_kernel");
   unsigned blocks = (unsigned)((p->seq_kv + HbKeys - 1) / HbKeys * kv_heads);
   hopper_backward_kernel<D, T><<<blocks, HbThreads, bytes, attn_stream()>>>(
       q_map, k_map, v_map, do_map, t->lse, delta, ds_stats, (T *)t->dk, (T *)t->dv, dq_accum, turns,
-      p->seq_q, p->seq_kv, kv_heads, attn_group(p), p->scale, p->causal);
+      kvs, p->seq_q, p->seq_kv, kv_heads, attn_group(p), p->scale, p->causal);
   CHECK_LAUNCH("hopper_backward_kernel");
   const int convert_threads = 256; /* a memory-bound pass: any full-warp count will do */
   long tiles = tile_floats / (hb_rows(D) * D);
   convert_dq_tiles<D, T>
       <<<(unsigned)((tile_floats / 4 + convert_threads - 1) / convert_threads), convert_threads, 0,
-         attn_stream()>>>(dq_accum, ds_stats, (T *)t->dq, tiles, p->seq_q, p->scale);
+         attn_stream()>>>(dq_accum, ds_stats, (T *)t->dq, tiles, qs, p->seq_q, p->scale);
   CHECK_LAUNCH("convert_dq_tiles");
 }
 

@@ -1,5 +1,7 @@
 # attention_stage(NAME SOURCE [CAUSAL] [BACKWARD] [ATOMIC_DQ] [ANY_DIM] [GQA] [CACHE_LENS]
-#                 [DIMS d...] [DTYPES t...])
+#                 [LAYOUTS] [DIMS d...] [DTYPES t...])
+#
+# LAYOUTS: the stage also reads and writes [B, N, H, d] in place (--layout bshd).
 #
 # ATOMIC_DQ: the backward adds dQ by fp32 atomics by default, and ATTN_DETERMINISTIC=1 runs
 # another path; that path gets tests of its own.
@@ -133,8 +135,8 @@ function(attn_hopper_only stage)
 endfunction()
 
 function(attention_stage name source)
-  cmake_parse_arguments(ARG "CAUSAL;BACKWARD;ATOMIC_DQ;ANY_DIM;GQA;CACHE_LENS" "" "DIMS;DTYPES"
-                        ${ARGN})
+  cmake_parse_arguments(ARG "CAUSAL;BACKWARD;ATOMIC_DQ;ANY_DIM;GQA;CACHE_LENS;LAYOUTS" ""
+                        "DIMS;DTYPES" ${ARGN})
   get_filename_component(ext ${source} LAST_EXT)
   if(ext STREQUAL ".cu")
     if(NOT ATTN_CUDA)
@@ -518,6 +520,75 @@ function(attention_stage name source)
   if(NOT ARG_CACHE_LENS)
     attn_expect(${name} bad.cache_lens ${kind} 2
                 "--cache-lens is not supported by this stage: .* comes in 11_" --cache-lens random)
+  endif()
+  # [B, N, H, d] in place: where the stage has it, its own matrix (every dtype, mask and head
+  # dim; several sequences and heads, so that the batch, head and row strides all differ from
+  # [B, H, N, d]'s; ragged Nq != Nkv both ways; one query; the backward where there is one;
+  # grouped-query and cache shapes where the stage has them) and memcheck; elsewhere refused.
+  if(ARG_LAYOUTS)
+    set(layout_shapes "-b:3:-H:5:-n:129" "-b:2:-H:4:--seq-q:97:--seq-kv:300"
+                      "-b:2:-H:3:--seq-q:257:--seq-kv:64" "-b:2:-H:2:-n:1")
+    set(layout_names B3H5.N129 B2H4.q97kv300 B2H3.q257kv64 B2H2.N1)
+    set(layout_forward_only "")
+    if(ARG_GQA)
+      # Forward only unless the stage has the grouped-query backward; a group that fills a
+      # decode block, one that does not, one query per sequence.
+      list(APPEND layout_shapes "-b:2:-H:8:--heads-kv:2:--seq-q:97:--seq-kv:300"
+           "-b:3:-H:8:--heads-kv:2:--seq-q:1:--seq-kv:3000" "-b:2:-H:8:--heads-kv:2:--seq-q:4:--seq-kv:700")
+      list(APPEND layout_names gqa.H8Hkv2.q97kv300 gqa.H8Hkv2.q1kv3000 gqa.H8Hkv2.q4kv700)
+      list(APPEND layout_forward_only gqa.H8Hkv2.q97kv300 gqa.H8Hkv2.q1kv3000 gqa.H8Hkv2.q4kv700)
+    endif()
+    if(ARG_CACHE_LENS)
+      list(APPEND layout_shapes "-b:3:-H:8:--heads-kv:2:-n:2000:--cache-lens:random"
+           "-b:3:-H:4:--seq-q:5:--seq-kv:900:--cache-lens:0,899,333")
+      list(APPEND layout_names cache.H8Hkv2.q1kv2000 cache.H4.q5kv900)
+      list(APPEND layout_forward_only cache.H8Hkv2.q1kv2000 cache.H4.q5kv900)
+    endif()
+    foreach(dtype ${dtypes})
+      foreach(mask IN ITEMS nomask ${masks})
+        set(m "")
+        set(c "")
+        if(mask STREQUAL "causal")
+          set(m ".causal")
+          set(c --causal)
+        endif()
+        foreach(d ${dims})
+          foreach(shape shape_name IN ZIP_LISTS layout_shapes layout_names)
+            string(REPLACE ":" ";" shape ${shape}) # the shapes' words, ':'-separated in the lists
+            set(b "")
+            if(ARG_BACKWARD AND NOT shape_name IN_LIST layout_forward_only)
+              set(b --backward)
+            endif()
+            attn_test(${name} layout.bshd.${shape_name}.d${d}${m}.${dtype} ${kind} --check
+                      --dtype ${dtype} ${c} ${b} --layout bshd ${shape} -d ${d})
+          endforeach()
+        endforeach()
+      endforeach()
+    endforeach()
+    list(GET dtypes 0 dtype0)
+    set(b "")
+    if(ARG_BACKWARD)
+      set(b --backward)
+    endif()
+    attn_sanitizer_test(${name} layout.bshd memcheck --dtype ${dtype0} --causal ${b}
+                        --layout bshd -b 2 -H 3 --seq-q 97 --seq-kv 130 -d 64)
+    if(ARG_GQA)
+      attn_sanitizer_test(${name} layout.bshd.decode memcheck --dtype ${dtype0} --layout bshd
+                          -b 3 -H 8 --heads-kv 2 --seq-q 2 --seq-kv 3000 -d 128)
+    endif()
+    if(ARG_ATOMIC_DQ) # the deterministic dQ kernel reads and writes in place too
+      foreach(d ${dims})
+        attn_test(${name} layout.bshd.deterministic.d${d}.causal.${dtype0} ${kind} --check
+                  --dtype ${dtype0} --causal --backward --layout bshd -b 2 -H 3 --seq-q 200
+                  --seq-kv 131 -d ${d})
+        set_tests_properties(${name}.layout.bshd.deterministic.d${d}.causal.${dtype0} PROPERTIES
+                             ENVIRONMENT ATTN_DETERMINISTIC=1)
+      endforeach()
+    endif()
+    attn_expect(${name} bad.layout_name ${kind} 2 "--layout must be bhnd or bshd" --layout nhd)
+  else()
+    attn_expect(${name} bad.layout ${kind} 2
+                "--layout bshd is not supported by this stage: .* comes in 09_" --layout bshd)
   endif()
   if(kind STREQUAL "gpu" AND NOT ARG_ANY_DIM)
     attn_expect(${name} bad.head_dim ${kind} 2 "head dim 40 is not supported" -d 40)

@@ -7,7 +7,9 @@
  * algorithm and `diff` between two stages shows only the idea that was added.
  *
  * Layout (docs/conventions.md section 1): row-major [B, H, N, d], LSE [B, H, Nq]; K and V have
- * Hkv heads, [B, Hkv, Nkv, d] (grouped-query attention; Hkv = H unless a stage has GQA).
+ * Hkv heads, [B, Hkv, Nkv, d] (grouped-query attention; Hkv = H unless a stage has GQA). A stage
+ * with layouts also reads and writes [B, N, H, d] (FlashAttention's [batch, seqlen, heads, d]) in
+ * place: every tensor of the problem in the one order p->layout names.
  */
 #ifndef ATTENTION_H
 #define ATTENTION_H
@@ -26,6 +28,9 @@ enum { EXIT_OK = 0, EXIT_CHECK_FAILED = 1, EXIT_BAD_USAGE = 2, EXIT_NO_DEVICE = 
 typedef enum { DTYPE_FP32 = 0, DTYPE_FP16 = 1, DTYPE_BF16 = 2 } attn_dtype;
 #define DTYPE_BIT(t) (1u << (t))
 
+/* The order of a tensor's dims in memory; LSE is [B, H, Nq] in both. */
+typedef enum { LAYOUT_BHND = 0, LAYOUT_BSHD = 1 } attn_layout;
+
 typedef struct {
   int batch;    /* B */
   int heads;    /* H */
@@ -41,6 +46,7 @@ typedef struct {
   const int *cache_lens; /* NULL, or B host ints: sequence b holds L_b <= Nkv valid keys (its
                           * KV cache); NULL means every L_b = Nkv. The device copy a GPU stage
                           * reads is attn_buffers.cache_lens */
+  attn_layout layout;    /* of Q, K, V, O and the gradients (LAYOUT_BHND = 0: as before) */
 } attn_problem;
 
 /* The buffers a stage reads and writes, all owned by the harness. On a GPU stage they are
@@ -80,6 +86,7 @@ typedef struct {
   int has_gqa;        /* 0: --heads-kv other than H is rejected (GQA comes in 11_split_kv_decode) */
   int has_cache_lens; /* 0: --cache-lens is rejected (the KV cache comes in 11_split_kv_decode) */
   int has_gqa_backward; /* 0: --backward with GQA is rejected (it comes in 12_hopper_backward) */
+  int has_layouts;      /* 0: --layout bshd is rejected (it comes in 09_swizzle_pipeline) */
 } attn_stage;
 
 int attention_main(const attn_stage *stage, int argc, char **argv);
@@ -113,6 +120,26 @@ static inline size_t attn_q_head(const attn_problem *p, long bh) {
 static inline size_t attn_kv_head(const attn_problem *p, long bh) {
   return (size_t)(bh / attn_group(p)) * p->seq_kv * p->head_dim;
 }
+/* Where a tensor's rows lie in memory: row i of head h of sequence b starts at element
+ * b * batch + h * head + i * row, where head h is one of `heads` (H on the query side, Hkv on
+ * the key side). The kernels take this, so that one kernel reads either layout in place. */
+typedef struct {
+  long batch, head, row;
+  int heads;
+} attn_strides;
+static inline attn_strides attn_layout_strides(const attn_problem *p, int heads, int rows) {
+  long d = p->head_dim;
+  attn_strides s = {(long)heads * rows * d, (long)rows * d, d, heads}; /* [B, H, N, d] */
+  if (p->layout == LAYOUT_BSHD) s.head = d, s.row = (long)heads * d;   /* [B, N, H, d] */
+  return s;
+}
+/* Q, O, dO, dQ: H heads of Nq rows; K, V, dK, dV: Hkv heads of Nkv rows. */
+static inline attn_strides attn_q_strides(const attn_problem *p) {
+  return attn_layout_strides(p, p->heads, p->seq_q);
+}
+static inline attn_strides attn_kv_strides(const attn_problem *p) {
+  return attn_layout_strides(p, attn_heads_kv(p), p->seq_kv);
+}
 /* The valid keys of sequence b: L_b, or Nkv without cache lengths. */
 static inline int attn_cache_len(const attn_problem *p, long b) {
   return p->cache_lens ? p->cache_lens[b] : p->seq_kv;
@@ -129,6 +156,7 @@ double attn_forward_flops(const attn_problem *p);
 double attn_backward_flops(const attn_problem *p);
 size_t attn_dtype_size(attn_dtype t);
 const char *attn_dtype_name(attn_dtype t);
+const char *attn_layout_name(attn_layout l); /* "bhnd" or "bshd" */
 
 /* ---- the seeded generator (common/problem.c) ----------------------------------------- */
 

@@ -61,6 +61,14 @@ int attn_decode_batch_invariant(void);
 cudaStream_t attn_stream(void);
 void attn_set_stream(cudaStream_t stream);
 
+#ifdef __CUDACC__
+/* Where row i of head bh = b * heads + h starts in a tensor laid out as `s` says (attention.h):
+ * one expression for [B, H, N, d] and [B, N, H, d], so that a kernel reads either in place. */
+__device__ __forceinline__ long row_start(const attn_strides &s, long bh, long i) {
+  return bh / s.heads * s.batch + bh % s.heads * s.head + i * s.row;
+}
+#endif
+
 /* Allows `kernel` `bytes` of dynamic shared memory, or exits 2 naming the limit when the
  * device cannot give that much to one block. */
 void attn_require_shared_memory(const void *kernel, size_t bytes, const char *kernel_name);

@@ -47,6 +47,8 @@ const char *attn_dtype_name(attn_dtype t) {
   return t == DTYPE_FP16 ? "fp16" : t == DTYPE_BF16 ? "bf16" : "fp32";
 }
 
+const char *attn_layout_name(attn_layout l) { return l == LAYOUT_BSHD ? "bshd" : "bhnd"; }
+
 const char *attn_program_name = "attention";
 char attn_failure_note[ATTN_FAILURE_NOTE_BYTES] = "";
 

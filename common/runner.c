@@ -73,6 +73,9 @@ static void usage(const attn_stage *s) {
       "                     'random' (uniform in 1..Nkv, from --seed); sequence b holds L_b\n"
       "                     valid keys (Nkv is the cache's capacity), causal is bottom-right\n"
       "                     against L_b, and Nq is 1 unless --seq-q says otherwise\n"
+      "      --layout L     bhnd (default): Q, K, V, O and the gradients [B, H, N, d] in the\n"
+      "                     stage's memory | bshd: [B, N, H, d], FlashAttention's order, read\n"
+      "                     in place (from stage 09_swizzle_pipeline; .npy files stay bhnd)\n"
       "      --check        compare with the float64 reference, exit 1 on a mismatch\n"
       "                     (on by default unless --bench or --check-finite is given)\n"
       "      --check-finite only check that every output is finite, LSE -inf exactly on\n"
@@ -97,7 +100,7 @@ static void usage(const attn_stage *s) {
 }
 
 /* One machine-readable line for the scripts: name, kind, head dims, dtypes, causal,
- * backward, idea, grouped-query attention, cache lengths (tab-separated). */
+ * backward, idea, grouped-query attention, cache lengths, layouts (tab-separated). */
 static void describe(const attn_stage *s) {
   printf("%s\t%s\t", s->name, s->device->kind);
   for (int i = 0; i < 8 && s->head_dims[i]; i++) printf(i ? ",%d" : "%d", s->head_dims[i]);
@@ -106,8 +109,8 @@ static void describe(const attn_stage *s) {
   const char *sep = "\t";
   for (int t = DTYPE_FP32; t <= DTYPE_BF16; t++)
     if (dtypes & DTYPE_BIT(t)) printf("%s%s", sep, attn_dtype_name((attn_dtype)t)), sep = ",";
-  printf("\t%d\t%d\t%s\t%d\t%d\n", s->has_causal, s->backward != NULL, s->idea, s->has_gqa,
-         s->has_cache_lens);
+  printf("\t%d\t%d\t%s\t%d\t%d\t%d\n", s->has_causal, s->backward != NULL, s->idea, s->has_gqa,
+         s->has_cache_lens, s->has_layouts);
 }
 
 static long parse_int(const char *opt, const char *text) {
@@ -147,6 +150,7 @@ enum {
   OPT_DESCRIBE,
   OPT_HEADS_KV,
   OPT_CACHE_LENS,
+  OPT_LAYOUT,
 };
 
 static const struct option long_options[] = {
@@ -164,6 +168,7 @@ static const struct option long_options[] = {
     {"seed", required_argument, NULL, OPT_SEED},
     {"dtype", required_argument, NULL, OPT_DTYPE},
     {"cache-lens", required_argument, NULL, OPT_CACHE_LENS},
+    {"layout", required_argument, NULL, OPT_LAYOUT},
     {"check", no_argument, NULL, OPT_CHECK},
     {"check-finite", no_argument, NULL, OPT_CHECK_FINITE},
     {"bench", no_argument, NULL, OPT_BENCH},
@@ -274,6 +279,14 @@ static void parse_options(const attn_stage *s, int argc, char **argv, options *o
         else
           attn_fail(EXIT_BAD_USAGE, "--dtype must be fp32, fp16 or bf16, got '%s'", v);
         break;
+      case OPT_LAYOUT:
+        if (strcmp(v, "bhnd") == 0)
+          o->p.layout = LAYOUT_BHND;
+        else if (strcmp(v, "bshd") == 0)
+          o->p.layout = LAYOUT_BSHD;
+        else
+          attn_fail(EXIT_BAD_USAGE, "--layout must be bhnd or bshd, got '%s'", v);
+        break;
       case OPT_CHECK_FINITE: o->check_finite = 1; break;
       case OPT_CHECK: o->check = o->given_check = 1; break;
       case OPT_BENCH: o->bench = 1; break;
@@ -373,6 +386,11 @@ static void validate_for_stage(const attn_stage *s, const options *o) {
     attn_fail(EXIT_BAD_USAGE,
               "--backward is not supported with --cache-lens: no stage has a backward for a KV "
               "cache (decode needs none)");
+  if (p->layout != LAYOUT_BHND && !s->has_layouts)
+    attn_fail(EXIT_BAD_USAGE,
+              "--layout %s is not supported by this stage: reading [B, N, H, d] in place comes in "
+              "09_swizzle_pipeline",
+              attn_layout_name(p->layout));
   if (o->backward && hkv != p->heads && !s->has_gqa_backward)
     attn_fail(EXIT_BAD_USAGE,
               "--backward is not supported with --heads-kv other than --heads by this stage: the "
@@ -734,9 +752,37 @@ static void *dev_alloc(allocator *a, size_t bytes, const char *what) {
   return a->dev->alloc(bytes, what);
 }
 
-/* Uploads float values as the stage's dtype (half-precision stages get 16-bit values). */
-static void *upload_tensor(allocator *a, const float *x, size_t n, attn_dtype t, const char *what) {
+/* A tensor's side: Q, O, dO and dQ hold H heads of Nq rows; K, V, dK and dV Hkv heads of Nkv. */
+typedef enum { SIDE_Q, SIDE_KV } tensor_side;
+
+/* The host (the reference, the checks, .npy files) holds every tensor as [B, heads, rows, d];
+ * with --layout bshd the stage's copy is [B, rows, heads, d]. Copies x into out in the stage's
+ * order (to_stage), or the stage's order in x back into the host's. Written from the layout's
+ * definition, not from attn_layout_strides, so that the harness checks the kernels' strides. */
+static void reorder(const attn_problem *p, tensor_side side, const float *x, float *out,
+                    int to_stage) {
+  size_t heads = (size_t)(side == SIDE_Q ? p->heads : attn_heads_kv(p));
+  size_t rows = (size_t)(side == SIDE_Q ? p->seq_q : p->seq_kv), d = (size_t)p->head_dim;
+  for (size_t b = 0; b < (size_t)p->batch; b++)
+    for (size_t h = 0; h < heads; h++)
+      for (size_t i = 0; i < rows; i++) {
+        size_t host = ((b * heads + h) * rows + i) * d, stage = ((b * rows + i) * heads + h) * d;
+        memcpy(out + (to_stage ? stage : host), x + (to_stage ? host : stage), d * sizeof(float));
+      }
+}
+
+/* Uploads float values as the stage's dtype (half-precision stages get 16-bit values), in the
+ * problem's layout. */
+static void *upload_tensor(allocator *a, const attn_problem *p, tensor_side side, const float *x,
+                           size_t n, const char *what) {
+  attn_dtype t = p->dtype;
   void *d = dev_alloc(a, n * attn_dtype_size(t), what);
+  float *ordered = NULL;
+  if (p->layout == LAYOUT_BSHD) {
+    ordered = attn_host_alloc(n * sizeof(float), what);
+    reorder(p, side, x, ordered, 1);
+    x = ordered;
+  }
   if (t == DTYPE_FP32) {
     a->dev->upload(d, x, n * sizeof(float));
   } else {
@@ -745,6 +791,7 @@ static void *upload_tensor(allocator *a, const float *x, size_t n, attn_dtype t,
     a->dev->upload(d, h, n * sizeof(uint16_t));
     free(h);
   }
+  free(ordered);
   return d;
 }
 
@@ -753,27 +800,34 @@ static void *upload_tensor(allocator *a, const float *x, size_t n, attn_dtype t,
  * reference and --save use, keeps the generated values. */
 static void *upload_kv(allocator *a, const attn_problem *p, const float *x, const char *what) {
   size_t n = attn_kv_elems(p), d = (size_t)p->head_dim, nkv = (size_t)p->seq_kv;
-  if (!p->cache_lens) return upload_tensor(a, x, n, p->dtype, what);
+  if (!p->cache_lens) return upload_tensor(a, p, SIDE_KV, x, n, what);
   float *poisoned = attn_host_alloc(n * sizeof(float), what);
   memcpy(poisoned, x, n * sizeof(float));
   for (long bh = 0; bh < (long)p->batch * attn_heads_kv(p); bh++)
     for (size_t j = (size_t)attn_cache_len(p, bh / attn_heads_kv(p)); j < nkv; j++)
       for (size_t c = 0; c < d; c++) poisoned[(bh * nkv + j) * d + c] = NAN;
-  void *dev = upload_tensor(a, poisoned, n, p->dtype, what);
+  void *dev = upload_tensor(a, p, SIDE_KV, poisoned, n, what);
   free(poisoned);
   return dev;
 }
 
-static void download_tensor(const attn_device *dev, float *x, const void *d, size_t n,
-                            attn_dtype t) {
+/* Downloads a tensor into x as floats, in the host's order [B, heads, rows, d]. */
+static void download_tensor(const attn_device *dev, const attn_problem *p, tensor_side side,
+                            float *x, const void *d, size_t n) {
+  attn_dtype t = p->dtype;
+  float *got = p->layout == LAYOUT_BSHD ? attn_host_alloc(n * sizeof(float), "download") : x;
   if (t == DTYPE_FP32) {
-    dev->download(x, d, n * sizeof(float));
-    return;
+    dev->download(got, d, n * sizeof(float));
+  } else {
+    uint16_t *h = attn_host_alloc(n * sizeof(uint16_t), "download");
+    dev->download(h, d, n * sizeof(uint16_t));
+    for (size_t i = 0; i < n; i++) got[i] = attn_half_bits_to_float(h[i], t);
+    free(h);
   }
-  uint16_t *h = attn_host_alloc(n * sizeof(uint16_t), "download");
-  dev->download(h, d, n * sizeof(uint16_t));
-  for (size_t i = 0; i < n; i++) x[i] = attn_half_bits_to_float(h[i], t);
-  free(h);
+  if (got != x) {
+    reorder(p, side, got, x, 0);
+    free(got);
+  }
 }
 
 /* ---- timing ------------------------------------------------------------------------------- */
@@ -835,12 +889,13 @@ static void print_line(const attn_stage *s, const attn_problem *p, const pass_re
       hi = p->cache_lens[b] > hi ? p->cache_lens[b] : hi;
     snprintf(lens, sizeof lens, " L=%d..%d", lo, hi);
   }
+  const char *layout = p->layout == LAYOUT_BSHD ? " bshd" : "";
   if (p->seq_q == p->seq_kv && !p->cache_lens)
-    snprintf(shape, sizeof shape, "B=%d H=%d%s N=%d d=%d", p->batch, p->heads, heads, p->seq_q,
-             p->head_dim);
+    snprintf(shape, sizeof shape, "B=%d H=%d%s N=%d d=%d%s", p->batch, p->heads, heads, p->seq_q,
+             p->head_dim, layout);
   else
-    snprintf(shape, sizeof shape, "B=%d H=%d%s Nq=%d Nkv=%d%s d=%d", p->batch, p->heads, heads,
-             p->seq_q, p->seq_kv, lens, p->head_dim);
+    snprintf(shape, sizeof shape, "B=%d H=%d%s Nq=%d Nkv=%d%s d=%d%s", p->batch, p->heads, heads,
+             p->seq_q, p->seq_kv, lens, p->head_dim, layout);
   human_bytes(ws, sizeof ws, (double)r->workspace);
   double tflops = r->flops / (r->ms * 1e-3) / 1e12;
   if (tflops >= 1)
@@ -1033,7 +1088,7 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
   /* Device buffers; outputs are poisoned so that an element the stage forgot is a NaN. */
   allocator a = {s->device, 0};
   attn_buffers t = {0};
-  t.q = upload_tensor(&a, in.q, nq, p->dtype, "Q");
+  t.q = upload_tensor(&a, p, SIDE_Q, in.q, nq, "Q");
   t.k = upload_kv(&a, p, in.k, "K");
   t.v = upload_kv(&a, p, in.v, "V");
   if (p->cache_lens) { /* the stage's own copy, uploaded once, before anything is timed */
@@ -1048,7 +1103,7 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
   size_t workspace = fwd_workspace > bwd_workspace ? fwd_workspace : bwd_workspace;
   t.workspace = workspace ? dev_alloc(&a, workspace, "workspace") : NULL;
   if (o.backward) {
-    t.d_o = upload_tensor(&a, in.d_o, nq, p->dtype, "dO");
+    t.d_o = upload_tensor(&a, p, SIDE_Q, in.d_o, nq, "dO");
     t.dq = dev_alloc(&a, nq * attn_dtype_size(p->dtype), "dQ");
     t.dk = dev_alloc(&a, nkv * attn_dtype_size(p->dtype), "dK");
     t.dv = dev_alloc(&a, nkv * attn_dtype_size(p->dtype), "dV");
@@ -1091,7 +1146,7 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
   s->forward(p, &t);
   double first_ms = (now_s() - first_begin) * 1e3;
   atomic_store(&progress_phase, "the float64 check");
-  download_tensor(s->device, o_host, t.o, nq, p->dtype);
+  download_tensor(s->device, p, SIDE_Q, o_host, t.o, nq);
   s->device->download(lse_host, t.lse, nlse * sizeof(float));
   apply_test_fault(p, o_host, NULL);
 
@@ -1115,7 +1170,7 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
     s->backward(p, &t);
     for (int g = 0; g < 3; g++) {
       grads[g] = attn_host_alloc(counts[g] * sizeof(float), "gradient");
-      download_tensor(s->device, grads[g], dgrad[g], counts[g], p->dtype);
+      download_tensor(s->device, p, g == 0 ? SIDE_Q : SIDE_KV, grads[g], dgrad[g], counts[g]);
     }
     apply_test_fault(p, NULL, grads);
     if (o.check) {

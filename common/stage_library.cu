@@ -17,11 +17,11 @@
 #include ATTN_STAGE_SOURCE
 #undef main
 
-/* The version of these entry points, which python/flash_stages/_library.py checks: 3 since
- * every call returns the harness's exit code and attn_library_error says why (2: since
- * attn_library_backward takes `deterministic`). A library of another version would be
+/* The version of these entry points, which python/flash_stages/_library.py checks: 5 since
+ * attn_problem has a layout (4: cache lengths; 3: every call returns the harness's exit code
+ * and attn_library_error says why). A library of another version would be
  * misread, so the package refuses one without this function or with another version. */
-extern "C" int attn_library_abi(void) { return 4; }
+extern "C" int attn_library_abi(void) { return 5; }
 
 /* The stage's descriptor: name, idea, head dims, dtypes, causal and backward support. The
  * program name is set here, once, so that the harness's error lines name the stage. */
@@ -47,10 +47,19 @@ static int end_call(int code) {
 /* *bytes: the device workspace the forward or the backward needs for problem p (the caller
  * allocates it and passes it in t->workspace). Stage 11 plans its decode split here, from
  * the current device's SMs and shared memory. */
+/* What the harness's validation would refuse and a kernel could not tell: a layout the
+ * stage's kernels do not read. */
+static void check_layout(const attn_problem *p) {
+  if (p->layout != LAYOUT_BHND && !stage.has_layouts)
+    attn_fail(EXIT_BAD_USAGE, "layout %s: this stage reads [B, H, N, d] only",
+              attn_layout_name(p->layout));
+}
+
 static int workspace(attn_workspace_fn fn, const attn_problem *p, size_t *bytes) {
   jmp_buf failed;
   if (setjmp(failed) != 0) return end_call(attn_last_failure_code());
   attn_fail_return_to(&failed);
+  check_layout(p);
   *bytes = fn ? fn(p) : 0;
   return end_call(EXIT_OK);
 }
@@ -70,6 +79,7 @@ static int run_pass(attn_pass_fn pass, const char *name, const attn_problem *p,
   if (setjmp(failed) != 0) return end_call(attn_last_failure_code());
   attn_fail_return_to(&failed);
   if (!pass) attn_fail(EXIT_BAD_USAGE, "this stage has no %s pass", name);
+  check_layout(p);
   attn_set_stream((cudaStream_t)stream);
   attn_set_deterministic(deterministic);
   pass(p, t);

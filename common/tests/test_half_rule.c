@@ -30,7 +30,8 @@ int main(void) {
   for (int t = DTYPE_FP16; t <= DTYPE_BF16; t++)
     for (int causal = 0; causal <= 1; causal++)
       for (int heads_kv = 2; heads_kv >= 1; heads_kv--) {
-        attn_problem p = {1, 2, 41, 29, 16, causal, 0.25f, (attn_dtype)t, heads_kv, NULL};
+        attn_problem p = {1,        2,    41,         29, 16, causal, 0.25f, (attn_dtype)t,
+                          heads_kv, NULL, LAYOUT_BHND};
         attn_rng rng;
         attn_rng_seed(&rng, 7);
         size_t nq = attn_q_elems(&p), nkv = attn_kv_elems(&p), nl = attn_lse_elems(&p);

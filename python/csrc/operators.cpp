@@ -35,6 +35,7 @@ struct StageLibrary {
   int (*forward)(const attn_problem *, const attn_buffers *, void *);
   int (*backward)(const attn_problem *, const attn_buffers *, void *, int);
   const char *(*error)(void);
+  bool layouts; /* the stage reads [B, N, H, d] in place (attn_stage.has_layouts) */
 };
 
 /* Filled at import; a lock, since a stage may be registered while another thread calls. */
@@ -48,7 +49,7 @@ Fn entry_point(int64_t address, const char *name) {
 }
 
 void register_stage(c10::string_view name, int64_t forward_workspace, int64_t backward_workspace,
-                    int64_t forward, int64_t backward, int64_t error) {
+                    int64_t forward, int64_t backward, int64_t error, bool layouts) {
   StageLibrary lib;
   lib.forward_workspace =
       entry_point<decltype(lib.forward_workspace)>(forward_workspace, "forward_workspace");
@@ -57,6 +58,7 @@ void register_stage(c10::string_view name, int64_t forward_workspace, int64_t ba
   lib.forward = entry_point<decltype(lib.forward)>(forward, "forward");
   lib.backward = entry_point<decltype(lib.backward)>(backward, "backward");
   lib.error = entry_point<decltype(lib.error)>(error, "error");
+  lib.layouts = layouts;
   std::lock_guard<std::mutex> hold(libraries_lock);
   libraries[std::string(name)] = lib;
 }
@@ -110,7 +112,8 @@ attn_dtype dtype_code(at::ScalarType type) {
   }
 }
 
-attn_problem problem(const at::Tensor &q, const at::Tensor &k, bool causal, double scale) {
+attn_problem problem(const at::Tensor &q, const at::Tensor &k, bool causal, double scale,
+                     attn_layout layout) {
   attn_problem p{};
   p.batch = static_cast<int>(q.size(0));
   p.heads = static_cast<int>(q.size(1));
@@ -122,6 +125,7 @@ attn_problem problem(const at::Tensor &q, const at::Tensor &k, bool causal, doub
   p.dtype = dtype_code(q.scalar_type());
   p.heads_kv = static_cast<int>(k.size(1));
   p.cache_lens = nullptr;
+  p.layout = layout;
   return p;
 }
 
@@ -135,11 +139,33 @@ void check_tensors(std::initializer_list<const at::Tensor *> tensors) {
                       "flash_stages: the operators take 4-D CUDA tensors of one device and dtype");
 }
 
-/* t as the kernels read it: contiguous row-major, from a 16-byte boundary (their 16-byte
- * copies; TMA in stage 10). A view that is neither is copied, once. */
-at::Tensor kernel_layout(const at::Tensor &t) {
-  at::Tensor c = t.contiguous();
-  return reinterpret_cast<std::uintptr_t>(c.data_ptr()) % 16 == 0 ? c : c.clone();
+/* The operators take [B, H, N, d] tensors; in memory each is [B, H, N, d] itself, or
+ * [B, N, H, d] seen through transpose(1, 2): flash_attn_func's tensors, and what most models
+ * hand SDPA. (Where N or H is 1 a tensor is both, and counts as [B, H, N, d].) */
+bool seq_major(const at::Tensor &t) {
+  return !t.is_contiguous() && t.transpose(1, 2).is_contiguous();
+}
+
+/* The layout the kernels read: [B, N, H, d] where the stage has it and K (the larger tensor
+ * in decode) or Q is laid out so, else [B, H, N, d]. Every tensor of the call takes it. */
+attn_layout choose_layout(const StageLibrary &lib, const at::Tensor &q, const at::Tensor &k) {
+  return lib.layouts && (seq_major(k) || seq_major(q)) ? LAYOUT_BSHD : LAYOUT_BHND;
+}
+
+/* t as the kernels read it: in `layout`, dense, from a 16-byte boundary (their 16-byte
+ * copies; TMA in stage 10). A tensor already so is read in place; any other is copied, once. */
+at::Tensor kernel_layout(const at::Tensor &t, attn_layout layout) {
+  at::Tensor c =
+      layout == LAYOUT_BSHD ? t.transpose(1, 2).contiguous().transpose(1, 2) : t.contiguous();
+  if (reinterpret_cast<std::uintptr_t>(c.data_ptr()) % 16 == 0) return c;
+  return layout == LAYOUT_BSHD ? c.transpose(1, 2).clone().transpose(1, 2) : c.clone();
+}
+
+/* A new [B, H, N, d] tensor shaped and typed like t, laid out as `layout` says. */
+at::Tensor empty_in(const at::Tensor &t, attn_layout layout) {
+  if (layout == LAYOUT_BHND) return at::empty_like(t, at::MemoryFormat::Contiguous);
+  return at::empty_symint({t.sym_size(0), t.sym_size(2), t.sym_size(1), t.sym_size(3)}, t.options())
+      .transpose(1, 2);
 }
 
 /* The buffers both passes read, and the workspace the pass asked for, from PyTorch's caching
@@ -169,10 +195,12 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor &q_in, const at:
   StageLibrary lib = library(stage);
   check_tensors({&q_in, &k_in, &v_in});
   c10::cuda::CUDAGuard on_device(q_in.device()); /* the stages launch on the current device */
-  at::Tensor q = kernel_layout(q_in), k = kernel_layout(k_in), v = kernel_layout(v_in);
-  at::Tensor o = at::empty_like(q);
+  attn_layout layout = choose_layout(lib, q_in, k_in);
+  at::Tensor q = kernel_layout(q_in, layout), k = kernel_layout(k_in, layout),
+             v = kernel_layout(v_in, layout);
+  at::Tensor o = empty_in(q, layout);
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
-  attn_problem p = problem(q, k, causal, scale);
+  attn_problem p = problem(q, k, causal, scale, layout);
   p.cache_lens = host_lens;
   size_t bytes = 0;
   check(lib, lib.forward_workspace(&p, &bytes), "forward workspace");
@@ -212,10 +240,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   StageLibrary lib = library(stage);
   check_tensors({&q_in, &k_in, &v_in, &d_o_in, &o_in});
   c10::cuda::CUDAGuard on_device(q_in.device());
-  at::Tensor d_o = kernel_layout(d_o_in), q = kernel_layout(q_in), k = kernel_layout(k_in),
-             v = kernel_layout(v_in), o = kernel_layout(o_in), lse = lse_in.contiguous();
-  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
-  attn_problem p = problem(q, k, causal, scale);
+  attn_layout layout = choose_layout(lib, q_in, k_in);
+  at::Tensor d_o = kernel_layout(d_o_in, layout), q = kernel_layout(q_in, layout),
+             k = kernel_layout(k_in, layout), v = kernel_layout(v_in, layout),
+             o = kernel_layout(o_in, layout), lse = lse_in.contiguous();
+  at::Tensor dq = empty_in(q, layout), dk = empty_in(k, layout), dv = empty_in(v, layout);
+  attn_problem p = problem(q, k, causal, scale, layout);
   size_t bytes = 0;
   check(lib, lib.backward_workspace(&p, &bytes), "backward workspace");
   at::Tensor held;
@@ -232,29 +262,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   return {dq, dk, dv};
 }
 
-/* Shapes only, for torch.compile's fake tensors. */
-std::tuple<at::Tensor, at::Tensor> forward_meta(const at::Tensor &q, const at::Tensor &,
-                                                const at::Tensor &, c10::string_view, bool, double,
-                                                bool) {
-  /* sym_size: under torch.compile's dynamic shapes the sizes are symbols */
-  return {at::empty_like(q, at::MemoryFormat::Contiguous),
+/* Shapes and strides only, for torch.compile's fake tensors: the layout the CUDA kernel's
+ * outputs will have. (sym_size: under dynamic shapes the sizes are symbols.) */
+std::tuple<at::Tensor, at::Tensor> forward_meta(const at::Tensor &q, const at::Tensor &k,
+                                                const at::Tensor &, c10::string_view stage, bool,
+                                                double, bool) {
+  return {empty_in(q, choose_layout(library(stage), q, k)),
           at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2)},
                            q.options().dtype(at::kFloat))};
 }
 
-std::tuple<at::Tensor, at::Tensor> forward_kvcache_meta(const at::Tensor &q, const at::Tensor &,
-                                                        const at::Tensor &, const at::Tensor &,
-                                                        at::IntArrayRef, c10::string_view, bool,
-                                                        double) {
-  return forward_meta(q, q, q, "", false, 0.0, false);
+std::tuple<at::Tensor, at::Tensor> forward_kvcache_meta(const at::Tensor &q, const at::Tensor &k,
+                                                        const at::Tensor &v, const at::Tensor &,
+                                                        at::IntArrayRef, c10::string_view stage,
+                                                        bool, double) {
+  return forward_meta(q, k, v, stage, false, 0.0, false);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_meta(
     const at::Tensor &, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
-    const at::Tensor &, const at::Tensor &, c10::string_view, bool, double, bool) {
-  return {at::empty_like(q, at::MemoryFormat::Contiguous),
-          at::empty_like(k, at::MemoryFormat::Contiguous),
-          at::empty_like(v, at::MemoryFormat::Contiguous)};
+    const at::Tensor &, const at::Tensor &, c10::string_view stage, bool, double, bool) {
+  attn_layout layout = choose_layout(library(stage), q, k);
+  return {empty_in(q, layout), empty_in(k, layout), empty_in(v, layout)};
 }
 
 /* The autograd formula: the backward operator, once differentiable (the backward operator's
@@ -319,7 +348,7 @@ TORCH_LIBRARY(flash_stages, m) {
       "str stage, bool causal, float scale) -> (Tensor, Tensor)");
   m.def(
       "register_stage(str name, int forward_workspace, int backward_workspace, int forward, "
-      "int backward, int error) -> ()",
+      "int backward, int error, bool layouts) -> ()",
       &register_stage);
   m.def("last_call() -> (str, str, int[])", &last_call);
 }

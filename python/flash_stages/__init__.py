@@ -134,7 +134,7 @@ def _load_operators():
                       "operators run instead", stacklevel=3)
         return False
     for lib in _LIBS.values():
-        torch.ops.flash_stages.register_stage(lib.name, *lib.entry_points())
+        torch.ops.flash_stages.register_stage(lib.name, *lib.entry_points(), lib.layouts)
     return True
 
 
@@ -433,9 +433,11 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     return_lse=True also softmax_lse [B, H, S] (float32, natural log, -inf on rows that see
     no key; it carries no gradient). causal is bottom-right aligned, as in FlashAttention 2.1
     and later. deterministic=True takes the stage's deterministic dQ path in this call's
-    backward. dropout_p must be 0. stage: as in scaled_dot_product_attention. Until the
-    kernels take row strides, the inputs are copied into their [B, H, S, d] layout (in the
-    forward, and again in the backward) and the output out of it."""
+    backward. dropout_p must be 0. stage: as in scaled_dot_product_attention. A stage that
+    reads [B, S, H, d] in place (09 and 11, through the C++ operators) gets the tensors as
+    they are and writes out, dq, dk and dv in that layout; for any other (10 and 12 on Hopper,
+    or the Python operators) they are copied into [B, H, S, d], in the forward and again in
+    the backward, and the output out of it."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise FlashStagesError(f"{name} must be a 4-D tensor [B, S, H, d], got "
@@ -478,8 +480,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softmax_
     (the KV-cache stage) runs it, or `stage` if it takes cache lengths. The lengths are read
     on the host for the stage's split plan (a CUDA cache_seqlens is copied back, a
     synchronisation) and copied to the device (an int, a list or a CPU tensor), so the call
-    cannot be captured in a CUDA graph, whatever form the lengths take. Until the kernels
-    take row strides the caches are copied into [B, Hkv, S_cache, d] on every call."""
+    cannot be captured in a CUDA graph, whatever form the lengths take. Stage 11 reads q and
+    the caches in place (through the C++ operators; the Python ones copy them)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise FlashStagesError(f"{name} must be a 4-D tensor [B, S, H, d], got "

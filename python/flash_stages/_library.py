@@ -18,11 +18,12 @@ DTYPE_FP32, DTYPE_FP16, DTYPE_BF16 = 0, 1, 2
 
 class Problem(ctypes.Structure):
     """attn_problem. heads_kv 0 means H; cache_lens NULL means every sequence holds Nkv keys
-    (flash_attn_with_kvcache passes B host ints)."""
+    (flash_attn_with_kvcache passes B host ints); layout 0 is [B, H, N, d] (LAYOUT_BHND), 1
+    [B, N, H, d] (the C++ operators pass that where the stage has layouts)."""
     _fields_ = [("batch", ctypes.c_int), ("heads", ctypes.c_int), ("seq_q", ctypes.c_int),
                 ("seq_kv", ctypes.c_int), ("head_dim", ctypes.c_int), ("causal", ctypes.c_int),
                 ("scale", ctypes.c_float), ("dtype", ctypes.c_int), ("heads_kv", ctypes.c_int),
-                ("cache_lens", ctypes.c_void_p)]
+                ("cache_lens", ctypes.c_void_p), ("layout", ctypes.c_int)]
 
 
 class Buffers(ctypes.Structure):
@@ -42,7 +43,8 @@ class Stage(ctypes.Structure):
                 ("saves_lse", ctypes.c_int), ("forward_workspace", ctypes.c_void_p),
                 ("forward", ctypes.c_void_p), ("backward_workspace", ctypes.c_void_p),
                 ("backward", ctypes.c_void_p), ("has_gqa", ctypes.c_int),
-                ("has_cache_lens", ctypes.c_int), ("has_gqa_backward", ctypes.c_int)]
+                ("has_cache_lens", ctypes.c_int), ("has_gqa_backward", ctypes.c_int),
+                ("has_layouts", ctypes.c_int)]
 
 
 class StageLibraryError(RuntimeError):
@@ -56,7 +58,7 @@ class StageLibraryError(RuntimeError):
 
 
 # The entry points' version this package calls (attn_library_abi in common/stage_library.cu).
-LIBRARY_ABI = 4
+LIBRARY_ABI = 5
 
 
 class StageLibrary:
@@ -92,6 +94,7 @@ class StageLibrary:
         self.gqa = bool(s.has_gqa)
         self.gqa_backward = bool(s.has_gqa_backward)
         self.cache_lens = bool(s.has_cache_lens)
+        self.layouts = bool(s.has_layouts)
 
     def entry_points(self):
         """The addresses of the forward and backward workspace, forward, backward and error

@@ -245,6 +245,43 @@ def test_no_copies():
     assert (call["dq"], call["dk"], call["dv"]) == (dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
 
 
+IN_PLACE = [s for s in ("09_swizzle_pipeline", "11_split_kv_decode") if s in fs.stages()]
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_dq", "deterministic"])
+@pytest.mark.parametrize("stage", IN_PLACE)
+def test_flash_attn_func_reads_bshd_in_place(stage, deterministic):
+    """Where the stage reads [B, S, H, d] in place, flash_attn_func hands its kernels PyTorch's
+    own tensors, forward and backward, and gets the bits the same stage gives on [B, H, S, d]
+    (dQ added by atomics, in no fixed order: to its rounding)."""
+    if not fs._OPERATORS:
+        pytest.skip("the Python operators copy into [B, H, S, d]")
+    q, k, v, d_o = inputs((2, 3, 200, 333, 64, True), torch.float16)
+    qh, kh, vh = (x.clone().requires_grad_(True) for x in (q, k, v))
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        want = fs.scaled_dot_product_attention(qh, kh, vh, is_causal=True, stage=stage)
+        want_grads = torch.autograd.grad(want, (qh, kh, vh), d_o)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    qs, ks, vs = (x.transpose(1, 2).contiguous().requires_grad_(True) for x in (q, k, v))
+    out = fs.flash_attn_func(qs, ks, vs, causal=True, stage=stage, deterministic=deterministic)
+    call = fs.last_call.copy()
+    assert (call["q"], call["k"], call["v"], call["o"]) == \
+        (qs.data_ptr(), ks.data_ptr(), vs.data_ptr(), out.data_ptr())
+    assert torch.equal(out.transpose(1, 2), want)
+    dos = d_o.transpose(1, 2).contiguous()
+    grads = torch.autograd.grad(out, (qs, ks, vs), dos)
+    call = fs.last_call.copy()
+    assert call["d_o"] == dos.data_ptr()
+    assert (call["dq"], call["dk"], call["dv"]) == tuple(g.data_ptr() for g in grads)
+    for name, g, w in zip(("dQ", "dK", "dV"), grads, want_grads):
+        if name == "dQ" and not deterministic:
+            torch.testing.assert_close(g.transpose(1, 2), w, rtol=1e-2, atol=1e-3)
+        else:
+            assert torch.equal(g.transpose(1, 2), w), f"{name} differs between the layouts"
+
+
 def test_torch_compile_traces_without_graph_breaks():
     stage = fastest_half()
     q, k, v, d_o = inputs((2, 4, 256, 256, 64, True), torch.float16)
