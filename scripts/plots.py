@@ -303,8 +303,9 @@ def swizzle_switches(result_dir, out_dir):
 
 
 # The package's host time per call (scripts/call_overhead.py): each small call, the package as
-# it is (the newest `package`) and as it was (each earlier one), beside SDPA flash and cuDNN
-# of the current package's process.
+# it is (the first `package` in the file) and as it was (each later one), beside SDPA's
+# backends measured in the current package's process (flash and cuDNN; efficient and math
+# where that run has them).
 def call_overhead(result_dir, out_dir):
     rows = attn.read_rows(os.path.join(result_dir, "call_overhead.tsv"))
     if not rows:
@@ -312,7 +313,9 @@ def call_overhead(result_dir, out_dir):
     packages = list(dict.fromkeys(r["package"] for r in rows))
     now = packages[0]
     bars = [("flash_stages", p, f"flash_stages {p}") for p in packages]
-    bars += [(impl, now, impl.replace("sdpa_", "SDPA ")) for impl in ("sdpa_flash", "sdpa_cudnn")]
+    measured = {r["impl"] for r in rows if r["package"] == now}
+    bars += [(impl, now, impl.replace("sdpa_", "SDPA ")) for impl in
+             ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math") if impl in measured]
     cases = list(dict.fromkeys(r["case"] for r in rows))
     value = {(r["case"], r["impl"], r["package"]): r["wall_us"] for r in rows}
     out = os.path.join(out_dir, "call_overhead.png")
