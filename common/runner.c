@@ -947,6 +947,9 @@ static void check_host_memory(const attn_stage *s, const options *o) {
   double bytes = 4 * (2 * nq + 2 * nkv + 2 * nlse + 2 * grads); /* inputs, outputs, copies */
   /* With cache lengths, K or V is copied once more, with NaN past the caches, to upload it. */
   if (p->cache_lens) bytes += 4 * nkv;
+  /* With --layout bshd, each tensor is reordered into a copy of its own to upload or download
+   * it (one at a time: the largest counts). */
+  if (p->layout == LAYOUT_BSHD) bytes += 4 * (nq > nkv ? nq : nkv);
   if (s->device == &attn_host_device) /* the CPU stage's own buffers live here too */
     bytes += 4 * (2 * nq + 2 * nkv + nlse + grads) +
              (s->forward_workspace ? (double)s->forward_workspace(p) : 0);

@@ -8,10 +8,11 @@ torch.nn.functional.scaled_dot_product_attention.
 q is [B, H, Nq, d], k and v [B, H, Nkv, d] (or [B, Hkv, Nkv, d] with enable_gqa=True: stages
 10 and 11 forward only, 12 forward and backward), CUDA tensors. The kernels are the stage
 programs' own (each stage's .cu file built as a library, common/stage_library.cu), run on
-PyTorch's tensors: the output is allocated by PyTorch and written by the kernel. Inputs in the
-kernels' layout (contiguous row-major [B, H, N, d], docs/conventions.md section 1, starting on
-a 16-byte boundary) are read in place; any other layout, such as [B, N, H, d].transpose(1, 2),
-is first copied into it. Two custom operators, flash_stages::forward and
+PyTorch's tensors: the output is allocated by PyTorch and written by the kernel. Inputs in a
+layout the stage reads (dense row-major [B, H, N, d], docs/conventions.md section 1, starting
+on a 16-byte boundary; from stage 09 on, through the C++ operators, also a dense [B, N, H, d]
+seen through transpose(1, 2)) are read in place; any other is first copied into one. Two
+custom operators, flash_stages::forward and
 flash_stages::backward, carry the autograd formula and a fake-tensor implementation, so
 torch.compile traces a call without a graph break.
 
@@ -434,10 +435,10 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     no key; it carries no gradient). causal is bottom-right aligned, as in FlashAttention 2.1
     and later. deterministic=True takes the stage's deterministic dQ path in this call's
     backward. dropout_p must be 0. stage: as in scaled_dot_product_attention. A stage that
-    reads [B, S, H, d] in place (09 and 11, through the C++ operators) gets the tensors as
-    they are and writes out, dq, dk and dv in that layout; for any other (10 and 12 on Hopper,
-    or the Python operators) they are copied into [B, H, S, d], in the forward and again in
-    the backward, and the output out of it."""
+    reads [B, S, H, d] in place (09-12, through the C++ operators) gets the tensors as they
+    are and writes out, dq, dk and dv in that layout; for any other (08 and earlier, or the
+    Python operators) they are copied into [B, H, S, d], in the forward and again in the
+    backward, and the output out of it."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise FlashStagesError(f"{name} must be a 4-D tensor [B, S, H, d], got "
