@@ -194,6 +194,28 @@ function(attention_stage name source)
     set(masks "" causal)
   endif()
 
+  # The shapes of the [B, N, H, d] cases (see the refusal below), ':'-separated words each.
+  if(ARG_LAYOUTS)
+    set(layout_shapes "-b:3:-H:5:-n:129" "-b:2:-H:4:--seq-q:97:--seq-kv:300"
+                      "-b:2:-H:3:--seq-q:257:--seq-kv:64" "-b:2:-H:2:-n:1")
+    set(layout_names B3H5.N129 B2H4.q97kv300 B2H3.q257kv64 B2H2.N1)
+    set(layout_forward_only "")
+    if(ARG_GQA)
+      # Forward only unless the stage has the grouped-query backward; a group that fills a
+      # decode block, one that does not, one query per sequence.
+      list(APPEND layout_shapes "-b:2:-H:8:--heads-kv:2:--seq-q:97:--seq-kv:300"
+           "-b:3:-H:8:--heads-kv:2:--seq-q:1:--seq-kv:3000" "-b:2:-H:8:--heads-kv:2:--seq-q:4:--seq-kv:700")
+      list(APPEND layout_names gqa.H8Hkv2.q97kv300 gqa.H8Hkv2.q1kv3000 gqa.H8Hkv2.q4kv700)
+      list(APPEND layout_forward_only gqa.H8Hkv2.q97kv300 gqa.H8Hkv2.q1kv3000 gqa.H8Hkv2.q4kv700)
+    endif()
+    if(ARG_CACHE_LENS)
+      list(APPEND layout_shapes "-b:3:-H:8:--heads-kv:2:-n:2000:--cache-lens:random"
+           "-b:3:-H:4:--seq-q:5:--seq-kv:900:--cache-lens:0,899,333")
+      list(APPEND layout_names cache.H8Hkv2.q1kv2000 cache.H4.q5kv900)
+      list(APPEND layout_forward_only cache.H8Hkv2.q1kv2000 cache.H4.q5kv900)
+    endif()
+  endif()
+
   foreach(dtype ${dtypes})
     set(t "")
     if(NOT dtype STREQUAL "fp32")
@@ -210,6 +232,19 @@ function(attention_stage name source)
       if(mask STREQUAL "causal")
         set(m ".causal")
         set(c --causal)
+      endif()
+      if(ARG_LAYOUTS) # [B, N, H, d] in place: every head dim, the backward where the shape has it
+        foreach(d ${dims})
+          foreach(shape shape_name IN ZIP_LISTS layout_shapes layout_names)
+            string(REPLACE ":" ";" shape ${shape})
+            set(b "")
+            if(NOT shape_name IN_LIST layout_forward_only)
+              set(b ${bwd})
+            endif()
+            attn_test(${name} layout.bshd.${shape_name}.d${d}${m}.${dtype} ${kind} ${common_args}
+                      ${c} ${b} --layout bshd ${shape} -d ${d})
+          endforeach()
+        endforeach()
       endif()
       # The square-N list and the (Nq, Nkv) pairs at d = 64 and, as thoroughly, d = 128.
       foreach(d 64 128)
@@ -521,50 +556,11 @@ function(attention_stage name source)
     attn_expect(${name} bad.cache_lens ${kind} 2
                 "--cache-lens is not supported by this stage: .* comes in 11_" --cache-lens random)
   endif()
-  # [B, N, H, d] in place: where the stage has it, its own matrix (every dtype, mask and head
-  # dim; several sequences and heads, so that the batch, head and row strides all differ from
+  # [B, N, H, d] in place: where the stage has it, cases of its own (in the dtype and mask loop
+  # above: every dtype, mask and head dim; several sequences and heads, so that the batch, head and row strides all differ from
   # [B, H, N, d]'s; ragged Nq != Nkv both ways; one query; the backward where there is one;
   # grouped-query and cache shapes where the stage has them) and memcheck; elsewhere refused.
   if(ARG_LAYOUTS)
-    set(layout_shapes "-b:3:-H:5:-n:129" "-b:2:-H:4:--seq-q:97:--seq-kv:300"
-                      "-b:2:-H:3:--seq-q:257:--seq-kv:64" "-b:2:-H:2:-n:1")
-    set(layout_names B3H5.N129 B2H4.q97kv300 B2H3.q257kv64 B2H2.N1)
-    set(layout_forward_only "")
-    if(ARG_GQA)
-      # Forward only unless the stage has the grouped-query backward; a group that fills a
-      # decode block, one that does not, one query per sequence.
-      list(APPEND layout_shapes "-b:2:-H:8:--heads-kv:2:--seq-q:97:--seq-kv:300"
-           "-b:3:-H:8:--heads-kv:2:--seq-q:1:--seq-kv:3000" "-b:2:-H:8:--heads-kv:2:--seq-q:4:--seq-kv:700")
-      list(APPEND layout_names gqa.H8Hkv2.q97kv300 gqa.H8Hkv2.q1kv3000 gqa.H8Hkv2.q4kv700)
-      list(APPEND layout_forward_only gqa.H8Hkv2.q97kv300 gqa.H8Hkv2.q1kv3000 gqa.H8Hkv2.q4kv700)
-    endif()
-    if(ARG_CACHE_LENS)
-      list(APPEND layout_shapes "-b:3:-H:8:--heads-kv:2:-n:2000:--cache-lens:random"
-           "-b:3:-H:4:--seq-q:5:--seq-kv:900:--cache-lens:0,899,333")
-      list(APPEND layout_names cache.H8Hkv2.q1kv2000 cache.H4.q5kv900)
-      list(APPEND layout_forward_only cache.H8Hkv2.q1kv2000 cache.H4.q5kv900)
-    endif()
-    foreach(dtype ${dtypes})
-      foreach(mask IN ITEMS nomask ${masks})
-        set(m "")
-        set(c "")
-        if(mask STREQUAL "causal")
-          set(m ".causal")
-          set(c --causal)
-        endif()
-        foreach(d ${dims})
-          foreach(shape shape_name IN ZIP_LISTS layout_shapes layout_names)
-            string(REPLACE ":" ";" shape ${shape}) # the shapes' words, ':'-separated in the lists
-            set(b "")
-            if(ARG_BACKWARD AND NOT shape_name IN_LIST layout_forward_only)
-              set(b --backward)
-            endif()
-            attn_test(${name} layout.bshd.${shape_name}.d${d}${m}.${dtype} ${kind} --check
-                      --dtype ${dtype} ${c} ${b} --layout bshd ${shape} -d ${d})
-          endforeach()
-        endforeach()
-      endforeach()
-    endforeach()
     list(GET dtypes 0 dtype0)
     set(b "")
     if(ARG_BACKWARD)
