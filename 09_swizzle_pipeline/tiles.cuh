@@ -71,22 +71,26 @@ __device__ void load_tile(const T *src, int rows, T *dst, long ld = D) {
   constexpr int Chunk = 16 / sizeof(T), W = D / Chunk, Step = THREADS / W; /* rows a pass */
   static_assert(THREADS % W == 0 && Step % 8 == 0, "a pass moves whole swizzle periods");
   const int tid = threadIdx.x, r = tid / W;
+  /* One source pointer moved a pass at a time, not an offset per pass: with `ld` known only at
+   * run time, Passes offsets k Step ld are 64-bit values kept live through the key loop, which
+   * pushed the forward at d = 64 past its register cap into spills (ptxas -v shows both). */
   const T *from = src + r * ld + tid % W * Chunk;
+  const long step = Step * ld;
   T *to = dst + swizzle<D, T>(r, tid % W * Chunk);
   constexpr int Passes = (ROWS * W + THREADS - 1) / THREADS;
   /* A whole tile (all but a sequence's last) copies without testing rows: in 09's forward 9
    * instructions less per K or V tile at d = 64, ~55 at d = 128 (=0: tests every copy). */
   if (ATTN_WHOLE_TILES && rows >= ROWS && (ROWS * W) % THREADS == 0) {
 #pragma unroll
-    for (int k = 0; k < Passes; k++)
-      __pipeline_memcpy_async(to + k * Step * padded<T>(D), from + k * Step * ld, 16);
+    for (int k = 0; k < Passes; k++, from += step)
+      __pipeline_memcpy_async(to + k * Step * padded<T>(D), from, 16);
     return;
   }
 #pragma unroll
-  for (int k = 0; k < Passes; k++) {
+  for (int k = 0; k < Passes; k++, from += step) {
     if ((ROWS * W) % THREADS != 0 && k * THREADS + tid >= ROWS * W) break;
     if (r + k * Step < rows) /* cp.async: no waiting here, see __pipeline_wait_prior */
-      __pipeline_memcpy_async(to + k * Step * padded<T>(D), from + k * Step * ld, 16);
+      __pipeline_memcpy_async(to + k * Step * padded<T>(D), from, 16);
     else
       *reinterpret_cast<float4 *>(to + k * Step * padded<T>(D)) = float4{};
   }
