@@ -19,7 +19,7 @@
 /* 09's backward, for 09's problems. (The harness refuses --backward with GQA or cache lengths
  * before anything runs; this line guards the library's callers.) */
 static void mha_backward(const attn_problem *p, const attn_buffers *t) {
-  if (attn_heads_kv(p) != p->heads || p->cache_lens)
+  if (attn_heads_kv(p) != p->heads || p->cache_lens || t->cache_lens)
     attn_fail(EXIT_BAD_USAGE, "the backward takes Hkv = H and no cache lengths (it is 09's)");
   backward(p, t);
 }

@@ -41,6 +41,7 @@ __host__ __device__ constexpr int decode_rows(int d) { return decode_frags(d) * 
  * d = 128), and a d = 128 block's K and V tiles move 32 KiB per tile, 8 copies of 16 bytes a
  * thread. */
 constexpr int DecodeWarps = 4, DecodeThreads = DecodeWarps * 32, DecodeKeys = DecodeWarps * MmaK;
+static_assert(DecodeKeys == ATTN_DECODE_TILE_KEYS, "ATTN_DECODE_CHUNK_KEYS's check knows the tile");
 /* Stages of the decode block's ring of K and V tiles: 2, as 09. A decode block has no
  * arithmetic to hide its loads behind, only more loads, so a deeper ring looked promising, but
  * 3 and 4 stages gained nothing at the decode benchmark's shapes (docs/techniques.md): two
@@ -125,14 +126,7 @@ static decode_plan plan_chunks(const attn_problem *p, long sms) {
   keys = max((long)DecodeKeys, (keys + DecodeKeys - 1) / DecodeKeys * DecodeKeys);
   bool invariant = attn_decode_batch_invariant();
   if (invariant) keys = BatchInvariantChunkKeys;
-  if (int forced = attn_decode_chunk_keys()) {
-    if (forced % DecodeKeys != 0)
-      attn_fail(EXIT_BAD_USAGE,
-                "ATTN_DECODE_CHUNK_KEYS must be a multiple of %d (whole tiles), "
-                "got %d",
-                DecodeKeys, forced);
-    keys = forced;
-  }
+  if (int forced = attn_decode_chunk_keys()) keys = forced; /* whole tiles: see its check */
   chunks = max(1L, (lmax + keys - 1) / keys);
   return {(int)keys, (int)chunks, invariant || chunks > 1};
 }
@@ -237,7 +231,7 @@ __global__ void __launch_bounds__(DecodeThreads, 2)
   T *Ks = reinterpret_cast<T *>(smem), *Vs = Ks + STAGES * BC * ld, *Qs = Vs + STAGES * BC * ld;
   allow_merge_launch(); /* the merge waits for the whole grid anyway: let it launch now */
   long pair = blockIdx.x / chunks;
-  int len = cache_lens ? cache_lens[pair / heads_kv] : nkv;
+  int len = cache_len(cache_lens, pair / heads_kv, nkv);
   int j_begin = (int)(blockIdx.x % chunks) * chunk_keys, j_end = min(len, j_begin + chunk_keys);
   if (j_begin >= len && merge) return; /* past the cache: the merge reads nothing of it */
   int rows = group * nq, w = threadIdx.x / 32, g = threadIdx.x % 32 / Quad;

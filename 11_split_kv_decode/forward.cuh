@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), 2)
    * cost the d = 64 tile loop 62 more instructions (IMAD) and 20 bytes of spill. */
   const long kv_head = GROUPED ? bh / group : bh;
   const T *K = k + row_start(kvs, kv_head, 0), *V = v + row_start(kvs, kv_head, 0);
-  int len = GROUPED && cache_lens ? cache_lens[bh / seq_heads] : nkv;
+  int len = GROUPED ? cache_len(cache_lens, bh / seq_heads, nkv) : nkv;
   const T *Qw = Qs + (row0 - i0) * padded<T>(D); /* the warp's rows */
   float acc[RowFrags][D / MmaN][4] = {};
   float m[LaneRows], l[LaneRows], m_blk[LaneRows];
@@ -291,7 +291,7 @@ static void launch(const attn_problem *p, const attn_buffers *t) {
   if (BC > Bc_small && bytes > attn_shared_memory_limit()) return launch<D, T, Bc_small>(p, t);
   int heads = p->batch * p->heads;
   dim3 grid((unsigned)((p->seq_q + Br - 1) / Br * heads));
-  bool grouped = attn_group(p) > 1 || p->cache_lens;
+  bool grouped = attn_group(p) > 1 || t->cache_lens;
   auto kernel =
       grouped ? flash_forward_kernel<D, BC, true, T> : flash_forward_kernel<D, BC, false, T>;
   attn_require_shared_memory((const void *)kernel, bytes, "flash_forward_kernel");

@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(MergeThreads)
   __shared__ merge_state merged[MergeThreads];
   long row = blockIdx.x, bh = row / nq;
   int rows = group * nq, r = (int)(bh % group) * nq + (int)(row % nq);
-  int len = cache_lens ? cache_lens[bh / heads] : nkv, n = (len + chunk_keys - 1) / chunk_keys;
+  int len = cache_len(cache_lens, bh / heads, nkv), n = (len + chunk_keys - 1) / chunk_keys;
   /* The partial of chunk c is that of decode block (bh / G) chunks + c: rows apart. */
   const float *lse_c = part_lse + bh / group * chunks * rows + r;
   const float *o_c = part_o + (bh / group * chunks * rows + r) * D;

@@ -45,7 +45,9 @@ typedef struct {
   int heads_kv;          /* Hkv, H % Hkv == 0: query head h reads K/V head h / (H / Hkv); 0 = H */
   const int *cache_lens; /* NULL, or B host ints: sequence b holds L_b <= Nkv valid keys (its
                           * KV cache); NULL means every L_b = Nkv. The device copy a GPU stage
-                          * reads is attn_buffers.cache_lens */
+                          * reads is attn_buffers.cache_lens. A library caller may give the
+                          * device copy alone (NULL here): the stage then plans as for L_b =
+                          * Nkv, and its kernels read the lengths */
   attn_layout layout;    /* of Q, K, V, O and the gradients (LAYOUT_BHND = 0: as before) */
 } attn_problem;
 
@@ -60,7 +62,8 @@ typedef struct {
   void *dq, *dk, *dv;    /* [B,H,Nq,d], [B,Hkv,Nkv,d], [B,Hkv,Nkv,d] */
   void *workspace;       /* the bytes the stage asked for through *_workspace() */
   /* p->cache_lens where the stage runs (B ints, uploaded before any pass is timed), or NULL
-   * when p->cache_lens is NULL. Keys past L_b hold NaN: a stage that reads one into a result
+   * when p->cache_lens is NULL (the harness; a library caller may set this alone, see
+   * attn_problem.cache_lens). Keys past L_b hold NaN: a stage that reads one into a result
    * fails the check. */
   const int *cache_lens;
 } attn_buffers;

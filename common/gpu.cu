@@ -8,6 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <mutex>
+
 #include "device.h"
 #include "gpu.h"
 
@@ -77,9 +79,12 @@ int attn_decode_chunk_keys(void) {
   char *end;
   errno = 0;
   long keys = strtol(text, &end, 10);
-  if (errno || end == text || *end || keys <= 0 || keys > MAX_CHUNK_KEYS)
-    attn_fail(EXIT_BAD_USAGE, "ATTN_DECODE_CHUNK_KEYS must be a key count in 1..%d, got '%s'",
-              MAX_CHUNK_KEYS, text);
+  if (errno || end == text || *end || keys <= 0 || keys > MAX_CHUNK_KEYS ||
+      keys % ATTN_DECODE_TILE_KEYS != 0)
+    attn_fail(EXIT_BAD_USAGE,
+              "ATTN_DECODE_CHUNK_KEYS must be a key count in 1..%d, a multiple of %d (whole "
+              "tiles), got '%s'",
+              MAX_CHUNK_KEYS, ATTN_DECODE_TILE_KEYS, text);
   return (int)keys;
 }
 
@@ -88,6 +93,14 @@ int attn_decode_batch_invariant(void) {
   if (text && *text && strcmp(text, "0") != 0 && strcmp(text, "1") != 0)
     attn_fail(EXIT_BAD_USAGE, "ATTN_DECODE_BATCH_INVARIANT must be 0 or 1, got '%s'", text);
   return text && strcmp(text, "1") == 0;
+}
+
+void attn_check_environment(void) {
+  env_bytes("ATTN_SHARED_MEMORY_LIMIT");
+  env_bytes("ATTN_SHARED_MEMORY_PER_SM");
+  attn_deterministic();
+  attn_decode_chunk_keys();
+  attn_decode_batch_invariant();
 }
 
 /* Per thread: PyTorch runs backward passes on threads of its own. 0: the legacy stream. */
@@ -102,18 +115,53 @@ void attn_require_shared_memory(const void *kernel, size_t bytes, const char *ke
               "%s needs %zu bytes of shared memory per block, this device allows %zu; use a "
               "smaller head dim or tile",
               kernel_name, bytes, limit);
-  /* Above 48 KiB a kernel must opt in explicitly. */
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+  /* The attributes are set where they change, not on every launch: a library call (the
+   * Python package) runs this before each launch, and cudaFuncSetAttribute costs host time.
+   * A kernel keeps the largest opt-in asked of it (a smaller launch fits under it). One table
+   * for every thread, under a lock: the attribute is the device's, not the thread's. */
+  struct opted_in {
+    const void *kernel;
+    int device;
+    size_t bytes, per_sm;
+  };
+  enum { Remembered = 256 }; /* more kernels than any stage launches; past it, reset */
+  static opted_in done[Remembered];
+  static int used;
+  static std::mutex lock;
+  int device;
+  CUDA_CHECK(cudaGetDevice(&device));
+  size_t per_sm = env_bytes("ATTN_SHARED_MEMORY_PER_SM");
+  std::lock_guard<std::mutex> hold(lock);
+  opted_in *entry = nullptr;
+  for (int i = 0; i < used && !entry; i++)
+    if (done[i].kernel == kernel && done[i].device == device) entry = &done[i];
+  if (entry && bytes <= entry->bytes && per_sm == entry->per_sm) return;
+  if (!entry) {
+    if (used == Remembered) used = 0; /* forget: the attributes are set again as asked */
+    entry = &done[used++];
+    *entry = {kernel, device, 0, per_sm};
+  }
+  if (bytes > entry->bytes) {
+    /* Above 48 KiB a kernel must opt in explicitly. */
+    CUDA_CHECK(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
+    entry->bytes = bytes;
+  }
   /* Standing in for a GPU of less shared memory per SM: the carveout, a percentage of the
    * largest, rounded down, since the driver rounds it up to the next capacity the SM has
-   * (on Hopper 100 KiB and 164 KiB among them, the sm_86/89 and sm_80 figures). */
-  if (size_t per_sm = env_bytes("ATTN_SHARED_MEMORY_PER_SM")) {
-    int device, most;
-    CUDA_CHECK(cudaGetDevice(&device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-    int percent = per_sm >= (size_t)most ? 100 : (int)(per_sm * 100 / (size_t)most);
+   * (on Hopper 100 KiB and 164 KiB among them, the sm_86/89 and sm_80 figures). 0: the
+   * default, every capacity allowed. */
+  if (per_sm != entry->per_sm || per_sm) {
+    int percent = -1;
+    if (per_sm) {
+      int most;
+      CUDA_CHECK(
+          cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+      percent = per_sm >= (size_t)most ? 100 : (int)(per_sm * 100 / (size_t)most);
+    }
     CUDA_CHECK(
         cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, percent));
+    entry->per_sm = per_sm;
   }
 }
 

@@ -45,7 +45,8 @@ void attn_set_deterministic(int asked);
  * variable ATTN_DECODE_CHUNK_KEYS, instead of the stage's own rule: so that tests can put a
  * cache length exactly on a chunk boundary and one key past it, and a measurement can compare
  * chunk lengths without rebuilding. 0 when unset (or empty); anything but a positive key count
- * is a usage error. */
+ * that is whole tiles of the stage's decode kernel (ATTN_DECODE_TILE_KEYS) is a usage error. */
+#define ATTN_DECODE_TILE_KEYS 64
 int attn_decode_chunk_keys(void);
 
 /* Whether the environment variable ATTN_DECODE_BATCH_INVARIANT is 1: a decode stage (11) then
@@ -54,6 +55,11 @@ int attn_decode_chunk_keys(void);
  * 0, empty or unset is the default rule; any other value is a usage error. Read at each call,
  * so it reaches the Python package too. */
 int attn_decode_batch_invariant(void);
+
+/* Reads every variable above, exiting 2 (naming it) on a value its reader would refuse: the
+ * library (stage_library.cu) runs this before each call, so that a bad value is an error
+ * whichever stage is called, not only in the stages that read it. */
+void attn_check_environment(void);
 
 /* The stream every launch of a stage goes to (its fourth launch parameter): the legacy
  * default stream (0) in the stage programs, whose timing records its events there; the
@@ -66,6 +72,13 @@ void attn_set_stream(cudaStream_t stream);
  * one expression for [B, H, N, d] and [B, N, H, d], so that a kernel reads either in place. */
 __device__ __forceinline__ long row_start(const attn_strides &s, long bh, long i) {
   return bh / s.heads * s.batch + bh % s.heads * s.head + i * s.row;
+}
+
+/* Sequence b's KV-cache length as the kernels read it (attn_buffers.cache_lens), kept in
+ * [0, nkv]: lengths that no host has read (the Python package under CUDA graphs passes them on
+ * the device only) cannot move a read outside the cache. */
+__device__ __forceinline__ int cache_len(const int *cache_lens, long b, int nkv) {
+  return cache_lens ? min(max(cache_lens[b], 0), nkv) : nkv;
 }
 #endif
 

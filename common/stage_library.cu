@@ -79,7 +79,13 @@ static int run_pass(attn_pass_fn pass, const char *name, const attn_problem *p,
   if (setjmp(failed) != 0) return end_call(attn_last_failure_code());
   attn_fail_return_to(&failed);
   if (!pass) attn_fail(EXIT_BAD_USAGE, "this stage has no %s pass", name);
+  /* Every variable, whichever this stage reads (a workspace query reads those it needs): a
+   * call with a bad value fails the same way on every stage. */
+  attn_check_environment();
   check_layout(p);
+  if (t->cache_lens && !stage.has_cache_lens)
+    attn_fail(EXIT_BAD_USAGE,
+              "this stage takes no cache lengths (they come in 11_split_kv_decode)");
   attn_set_stream((cudaStream_t)stream);
   attn_set_deterministic(deterministic);
   pass(p, t);
