@@ -2,7 +2,9 @@
 """Wall time per call, back to back, of attention calls too small for the kernels to matter:
 what a training step or a decode step pays per layer on the host. flash_stages beside each
 SDPA backend, in one process, and a cProfile of the flash_stages calls (where the host time
-goes: checks, dispatch, ctypes, allocation).
+goes: checks, dispatch, ctypes, allocation). The package is timed through both of its entry
+points: SDPA's call on [B, H, N, d] (impl flash_stages) and FlashAttention's on [B, S, H, d]
+(fs_flash_attn: flash_attn_func; fs_kvcache: flash_attn_with_kvcache, full caches).
 
     python3 scripts/call_overhead.py                      # the shapes below, every backend
     python3 scripts/call_overhead.py --tsv out.tsv --profile 25
@@ -116,18 +118,32 @@ def main():
         k, v = (torch.randn(b, hkv, nkv, d, device="cuda", dtype=torch.float16,
                             requires_grad=grad) for _ in range(2))
         do = torch.randn_like(q)
+        # The same values in FlashAttention's layout, [B, S, H, d], for its entry points.
+        qs, ks, vs = (x.detach().transpose(1, 2).contiguous().requires_grad_(grad)
+                      for x in (q, k, v))
+        dos = do.transpose(1, 2).contiguous()
         gqa = hkv != h
         case = f"{kind} B={b} H={h} Hkv={hkv} Nq={nq} Nkv={nkv} d={d}"
 
-        def call(attention):
+        def call(attention, seq_major=False):
+            args, d_out = ((qs, ks, vs), dos) if seq_major else ((q, k, v), do)
+
             def fn():
-                o = attention(q, k, v)
+                o = attention(*args)
                 if grad:
-                    torch.autograd.grad(o, (q, k, v), do)
+                    torch.autograd.grad(o, args, d_out)
             return fn
-        # (implementation, call, the SDPA backend to select around the timing or None)
+        # (implementation, call, the SDPA backend to select around the timing or None): the
+        # package through SDPA's call, then FlashAttention's (flash_attn_with_kvcache for
+        # decode, with full caches as SDPA's call has them)
         impls = [("flash_stages", call(lambda q, k, v: flash_stages.scaled_dot_product_attention(
             q, k, v, is_causal=nq > 1, enable_gqa=gqa)), None)]
+        if kind == "decode":
+            impls.append(("fs_kvcache", call(lambda q, k, v: flash_stages.flash_attn_with_kvcache(
+                q, k, v, causal=nq > 1), seq_major=True), None))
+        else:
+            impls.append(("fs_flash_attn", call(lambda q, k, v: flash_stages.flash_attn_func(
+                q, k, v, causal=nq > 1), seq_major=True), None))
         for name in a.backends:
             impls.append((f"sdpa_{name}", call(lambda q, k, v: F.scaled_dot_product_attention(
                 q, k, v, is_causal=nq > 1, enable_gqa=gqa)), names[name]))

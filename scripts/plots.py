@@ -303,21 +303,32 @@ def swizzle_switches(result_dir, out_dir):
 
 
 # The package's host time per call (scripts/call_overhead.py): each small call, the package as
-# it is (the first `package` in the file) and as it was (each later one), beside SDPA's
-# backends measured in the current package's process (flash and cuDNN; efficient and math
-# where that run has them).
+# it is (the first `package` in the file) through SDPA's call and, where that run has it,
+# FlashAttention's (flash_attn_func, or flash_attn_with_kvcache for decode), and as it was
+# (each later package, SDPA's call), beside SDPA's backends measured in the current package's
+# process (flash and cuDNN; efficient and math where that run has them).
 def call_overhead(result_dir, out_dir):
     rows = attn.read_rows(os.path.join(result_dir, "call_overhead.tsv"))
     if not rows:
         return None
     packages = list(dict.fromkeys(r["package"] for r in rows))
     now = packages[0]
-    bars = [("flash_stages", p, f"flash_stages {p}") for p in packages]
     measured = {r["impl"] for r in rows if r["package"] == now}
-    bars += [(impl, now, impl.replace("sdpa_", "SDPA ")) for impl in
+    fa_call = ("fs_flash_attn", "fs_kvcache")
+    # (the impls a bar takes its value from, the first one a case has; package; title)
+    bars = [(("flash_stages",), now, f"flash_stages {now}")]
+    if measured & set(fa_call):
+        bars[0] = (("flash_stages",), now, f"flash_stages {now}, SDPA's call")
+        bars.append((fa_call, now, f"flash_stages {now}, FlashAttention's call"))
+    bars += [(("flash_stages",), p, f"flash_stages {p}") for p in packages[1:]]
+    bars += [((impl,), now, impl.replace("sdpa_", "SDPA ")) for impl in
              ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "sdpa_math") if impl in measured]
     cases = list(dict.fromkeys(r["case"] for r in rows))
     value = {(r["case"], r["impl"], r["package"]): r["wall_us"] for r in rows}
+
+    def bar_value(case, impls, package):
+        return next((value[(case, i, package)] for i in impls if (case, i, package) in value),
+                    "NaN")
     out = os.path.join(out_dir, "call_overhead.png")
     dat = os.path.join(fresh_data_dir(out), "call_overhead.dat")
     def label(case):  # "decode B=8 H=32 Hkv=8 Nq=1 Nkv=4096 d=128" -> "decode B=8 4k keys"
@@ -328,8 +339,8 @@ def call_overhead(result_dir, out_dir):
         return f"{kind} H={n['H']} N={n['Nq']} d={n['d']}"
     with open(dat, "w") as f:
         for case in cases:
-            f.write(f"\"{label(case)}\"\t" + "\t".join(value.get((case, impl, p), "NaN")
-                                                 for impl, p, _ in bars) + "\n")
+            f.write(f"\"{label(case)}\"\t" + "\t".join(bar_value(case, impls, p)
+                                                 for impls, p, _ in bars) + "\n")
     rel = os.path.relpath(dat, out_dir)
     plotted = [f"'{rel}' using {k + 2}:xtic(1) title '{name}' lc rgb '{COLORS[k]}'"
                for k, (_, _, name) in enumerate(bars)]

@@ -112,18 +112,20 @@ attn_dtype dtype_code(at::ScalarType type) {
   }
 }
 
+/* seq_major: q and k are given as [B, N, H, d], not [B, H, N, d]. */
 attn_problem problem(const at::Tensor &q, const at::Tensor &k, bool causal, double scale,
-                     attn_layout layout) {
+                     attn_layout layout, bool seq_major = false) {
+  const int heads = seq_major ? 2 : 1, rows = seq_major ? 1 : 2;
   attn_problem p{};
   p.batch = static_cast<int>(q.size(0));
-  p.heads = static_cast<int>(q.size(1));
-  p.seq_q = static_cast<int>(q.size(2));
-  p.seq_kv = static_cast<int>(k.size(2));
+  p.heads = static_cast<int>(q.size(heads));
+  p.seq_q = static_cast<int>(q.size(rows));
+  p.seq_kv = static_cast<int>(k.size(rows));
   p.head_dim = static_cast<int>(q.size(3));
   p.causal = causal;
   p.scale = static_cast<float>(scale);
   p.dtype = dtype_code(q.scalar_type());
-  p.heads_kv = static_cast<int>(k.size(1));
+  p.heads_kv = static_cast<int>(k.size(heads));
   p.cache_lens = nullptr;
   p.layout = layout;
   return p;
@@ -161,6 +163,11 @@ at::Tensor kernel_layout(const at::Tensor &t, attn_layout layout) {
   return layout == LAYOUT_BSHD ? c.transpose(1, 2).clone().transpose(1, 2) : c.clone();
 }
 
+/* Read in place as given: dense in the order of its dimensions, from a 16-byte boundary. */
+bool dense(const at::Tensor &t) {
+  return t.is_contiguous() && reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
 /* A new [B, H, N, d] tensor shaped and typed like t, laid out as `layout` says. */
 at::Tensor empty_in(const at::Tensor &t, attn_layout layout) {
   if (layout == LAYOUT_BHND) return at::empty_like(t, at::MemoryFormat::Contiguous);
@@ -187,20 +194,29 @@ attn_buffers pass_buffers(const at::Tensor &q, const at::Tensor &k, const at::Te
 }
 
 /* The forward, with the KV cache's lengths where given: B ints on the host (the stage plans
- * its split from them) and the same on the device (its kernels read them). */
+ * its split from them) and the same on the device (its kernels read them). seq_major: the
+ * tensors are given as [B, N, H, d] (flash_attn_func's), not [B, H, N, d]; O comes back so
+ * too (dense), and LSE as [B, H, N]. Dense ones go to a stage with layouts as they are, with
+ * no view made (each costs host time); any other takes the [B, H, N, d] path through views. */
 std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor &q_in, const at::Tensor &k_in,
                                                const at::Tensor &v_in, c10::string_view stage,
                                                bool causal, double scale, const int *host_lens,
-                                               const int *device_lens) {
+                                               const int *device_lens, bool seq_major) {
   StageLibrary lib = library(stage);
   check_tensors({&q_in, &k_in, &v_in});
+  if (seq_major && !(lib.layouts && dense(q_in) && dense(k_in) && dense(v_in))) {
+    auto [o, lse] = run_forward(q_in.transpose(1, 2), k_in.transpose(1, 2), v_in.transpose(1, 2),
+                                stage, causal, scale, host_lens, device_lens, false);
+    return {o.transpose(1, 2).contiguous(), lse};
+  }
   c10::cuda::CUDAGuard on_device(q_in.device()); /* the stages launch on the current device */
-  attn_layout layout = choose_layout(lib, q_in, k_in);
-  at::Tensor q = kernel_layout(q_in, layout), k = kernel_layout(k_in, layout),
-             v = kernel_layout(v_in, layout);
-  at::Tensor o = empty_in(q, layout);
-  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
-  attn_problem p = problem(q, k, causal, scale, layout);
+  attn_layout layout = seq_major ? LAYOUT_BSHD : choose_layout(lib, q_in, k_in);
+  at::Tensor q = seq_major ? q_in : kernel_layout(q_in, layout),
+             k = seq_major ? k_in : kernel_layout(k_in, layout),
+             v = seq_major ? v_in : kernel_layout(v_in, layout);
+  at::Tensor o = seq_major ? at::empty_like(q) : empty_in(q, layout);
+  attn_problem p = problem(q, k, causal, scale, layout, seq_major);
+  at::Tensor lse = at::empty({p.batch, p.heads, p.seq_q}, q.options().dtype(at::kFloat));
   p.cache_lens = host_lens;
   size_t bytes = 0;
   check(lib, lib.forward_workspace(&p, &bytes), "forward workspace");
@@ -214,38 +230,68 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor &q_in, const at:
 
 std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor &q, const at::Tensor &k,
                                                 const at::Tensor &v, c10::string_view stage,
-                                                bool causal, double scale, bool deterministic) {
+                                                bool causal, double scale, bool deterministic,
+                                                bool seq_major) {
   (void)deterministic; /* the forward has one path; the flag is the backward's */
-  return run_forward(q, k, v, stage, causal, scale, nullptr, nullptr);
+  return run_forward(q, k, v, stage, causal, scale, nullptr, nullptr, seq_major);
 }
 
-/* Decode against a KV cache: sequence b holds its first cache_lens[b] keys (int32, on q's
- * device, and the same values in host_lens). No gradient, as FlashAttention's. */
-std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(
-    const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor &cache_lens,
-    at::IntArrayRef host_lens, c10::string_view stage, bool causal, double scale) {
-  TORCH_CHECK_VALUE(cache_lens.scalar_type() == at::kInt && cache_lens.is_contiguous() &&
-                        cache_lens.device() == q.device() && cache_lens.numel() == q.size(0) &&
-                        static_cast<int64_t>(host_lens.size()) == q.size(0),
-                    "flash_stages: cache_lens must be B contiguous int32 on q's device, with "
-                    "the same B values on the host");
+/* Decode against a KV cache, on flash_attn_with_kvcache's [B, N, H, d] tensors (O comes back so
+ * too, LSE as [B, H, N]): sequence b holds its first cache_lens[b] keys (B int32 on q's
+ * device, which the kernels read), or all N where cache_lens is None. host_lens: the same B
+ * values on the host, from which stage 11 plans its split of the keys, or none: then it plans
+ * from the capacity (k's N), and the call reads nothing on the host, so that it can be
+ * captured in a CUDA graph. No gradient, as FlashAttention's. */
+std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(const at::Tensor &q, const at::Tensor &k,
+                                                        const at::Tensor &v,
+                                                        const std::optional<at::Tensor> &cache_lens,
+                                                        at::IntArrayRef host_lens,
+                                                        c10::string_view stage, bool causal,
+                                                        double scale) {
+  TORCH_CHECK_VALUE(q.dim() == 4, "flash_stages: q must be 4-D [B, N, H, d]");
+  const int *device_lens = nullptr;
+  if (cache_lens) {
+    const at::Tensor &lens = *cache_lens;
+    TORCH_CHECK_VALUE(
+        lens.scalar_type() == at::kInt && lens.is_contiguous() && lens.device() == q.device() &&
+            lens.numel() == q.size(0) &&
+            (host_lens.empty() || static_cast<int64_t>(host_lens.size()) == q.size(0)),
+        "flash_stages: cache_lens must be B contiguous int32 on q's device, and "
+        "host_lens the same B values on the host or none");
+    device_lens = lens.data_ptr<int>();
+  } else {
+    TORCH_CHECK_VALUE(host_lens.empty(), "flash_stages: host_lens without cache_lens");
+  }
   std::vector<int> lens(host_lens.begin(), host_lens.end());
-  return run_forward(q, k, v, stage, causal, scale, lens.data(), cache_lens.data_ptr<int>());
+  return run_forward(q, k, v, stage, causal, scale, lens.empty() ? nullptr : lens.data(),
+                     device_lens, true);
 }
 
+/* seq_major: as the forward's; dQ, dK and dV come back [B, N, H, d] (dense). */
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     const at::Tensor &d_o_in, const at::Tensor &q_in, const at::Tensor &k_in,
     const at::Tensor &v_in, const at::Tensor &o_in, const at::Tensor &lse_in,
-    c10::string_view stage, bool causal, double scale, bool deterministic) {
+    c10::string_view stage, bool causal, double scale, bool deterministic, bool seq_major) {
   StageLibrary lib = library(stage);
   check_tensors({&q_in, &k_in, &v_in, &d_o_in, &o_in});
+  if (seq_major &&
+      !(lib.layouts && dense(d_o_in) && dense(q_in) && dense(k_in) && dense(v_in) && dense(o_in))) {
+    auto [dq, dk, dv] = backward_cuda(
+        d_o_in.transpose(1, 2), q_in.transpose(1, 2), k_in.transpose(1, 2), v_in.transpose(1, 2),
+        o_in.transpose(1, 2), lse_in, stage, causal, scale, deterministic, false);
+    return {dq.transpose(1, 2).contiguous(), dk.transpose(1, 2).contiguous(),
+            dv.transpose(1, 2).contiguous()};
+  }
   c10::cuda::CUDAGuard on_device(q_in.device());
-  attn_layout layout = choose_layout(lib, q_in, k_in);
-  at::Tensor d_o = kernel_layout(d_o_in, layout), q = kernel_layout(q_in, layout),
-             k = kernel_layout(k_in, layout), v = kernel_layout(v_in, layout),
-             o = kernel_layout(o_in, layout), lse = lse_in.contiguous();
-  at::Tensor dq = empty_in(q, layout), dk = empty_in(k, layout), dv = empty_in(v, layout);
-  attn_problem p = problem(q, k, causal, scale, layout);
+  attn_layout layout = seq_major ? LAYOUT_BSHD : choose_layout(lib, q_in, k_in);
+  auto in_layout = [&](const at::Tensor &t) { return seq_major ? t : kernel_layout(t, layout); };
+  auto new_like = [&](const at::Tensor &t) {
+    return seq_major ? at::empty_like(t) : empty_in(t, layout);
+  };
+  at::Tensor d_o = in_layout(d_o_in), q = in_layout(q_in), k = in_layout(k_in), v = in_layout(v_in),
+             o = in_layout(o_in), lse = lse_in.contiguous();
+  at::Tensor dq = new_like(q), dk = new_like(k), dv = new_like(v);
+  attn_problem p = problem(q, k, causal, scale, layout, seq_major);
   size_t bytes = 0;
   check(lib, lib.backward_workspace(&p, &bytes), "backward workspace");
   at::Tensor held;
@@ -266,22 +312,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
  * outputs will have. (sym_size: under dynamic shapes the sizes are symbols.) */
 std::tuple<at::Tensor, at::Tensor> forward_meta(const at::Tensor &q, const at::Tensor &k,
                                                 const at::Tensor &, c10::string_view stage, bool,
-                                                double, bool) {
+                                                double, bool, bool seq_major) {
+  if (seq_major)
+    return {at::empty_like(q, at::MemoryFormat::Contiguous),
+            at::empty_symint({q.sym_size(0), q.sym_size(2), q.sym_size(1)},
+                             q.options().dtype(at::kFloat))};
   return {empty_in(q, choose_layout(library(stage), q, k)),
           at::empty_symint({q.sym_size(0), q.sym_size(1), q.sym_size(2)},
                            q.options().dtype(at::kFloat))};
 }
 
 std::tuple<at::Tensor, at::Tensor> forward_kvcache_meta(const at::Tensor &q, const at::Tensor &k,
-                                                        const at::Tensor &v, const at::Tensor &,
+                                                        const at::Tensor &v,
+                                                        const std::optional<at::Tensor> &,
                                                         at::IntArrayRef, c10::string_view stage,
                                                         bool, double) {
-  return forward_meta(q, k, v, stage, false, 0.0, false);
+  return forward_meta(q, k, v, stage, false, 0.0, false, true);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_meta(
     const at::Tensor &, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
-    const at::Tensor &, const at::Tensor &, c10::string_view stage, bool, double, bool) {
+    const at::Tensor &, const at::Tensor &, c10::string_view stage, bool, double, bool,
+    bool seq_major) {
+  if (seq_major)
+    return {at::empty_like(q, at::MemoryFormat::Contiguous),
+            at::empty_like(k, at::MemoryFormat::Contiguous),
+            at::empty_like(v, at::MemoryFormat::Contiguous)};
   attn_layout layout = choose_layout(library(stage), q, k);
   return {empty_in(q, layout), empty_in(k, layout), empty_in(v, layout)};
 }
@@ -290,22 +346,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_meta(
  * autograd kernel is PyTorch's not-implemented one, so a second derivative raises, as for
  * PyTorch's own attention backwards). LSE is an output only so that the
  * backward can have it: it carries no gradient. */
+/* The operators as the dispatcher holds them, looked up once. */
+const c10::TypedOperatorHandle<decltype(forward_cuda)> &forward_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("flash_stages::forward", "")
+                       .typed<decltype(forward_cuda)>();
+  return op;
+}
+
 class Attention : public torch::autograd::Function<Attention> {
  public:
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext *ctx,
                                                 const at::Tensor &q, const at::Tensor &k,
                                                 const at::Tensor &v, const std::string &stage,
-                                                bool causal, double scale, bool deterministic) {
-    static auto op = c10::Dispatcher::singleton()
-                         .findSchemaOrThrow("flash_stages::forward", "")
-                         .typed<decltype(forward_cuda)>();
+                                                bool causal, double scale, bool deterministic,
+                                                bool seq_major) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [o, lse] = op.call(q, k, v, stage, causal, scale, deterministic);
+    auto [o, lse] = forward_op().call(q, k, v, stage, causal, scale, deterministic, seq_major);
     ctx->save_for_backward({q, k, v, o, lse});
     ctx->saved_data["stage"] = stage;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["deterministic"] = deterministic;
+    ctx->saved_data["seq_major"] = seq_major;
     ctx->mark_non_differentiable({lse});
     ctx->set_materialize_grads(false);
     return {o, lse};
@@ -317,21 +380,102 @@ class Attention : public torch::autograd::Function<Attention> {
                          .findSchemaOrThrow("flash_stages::backward", "")
                          .typed<decltype(backward_cuda)>();
     const at::Tensor none;
-    if (!grads[0].defined()) return {none, none, none, none, none, none, none}; /* O unused */
+    if (!grads[0].defined()) return {none, none, none, none, none, none, none, none}; /* O unused */
     auto saved = ctx->get_saved_variables();
     auto [dq, dk, dv] =
         op.call(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4],
                 ctx->saved_data["stage"].toStringRef(), ctx->saved_data["causal"].toBool(),
-                ctx->saved_data["scale"].toDouble(), ctx->saved_data["deterministic"].toBool());
-    return {dq, dk, dv, none, none, none, none};
+                ctx->saved_data["scale"].toDouble(), ctx->saved_data["deterministic"].toBool(),
+                ctx->saved_data["seq_major"].toBool());
+    return {dq, dk, dv, none, none, none, none, none};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> forward_autograd(const at::Tensor &q, const at::Tensor &k,
                                                     const at::Tensor &v, c10::string_view stage,
-                                                    bool causal, double scale, bool deterministic) {
-  auto out = Attention::apply(q, k, v, std::string(stage), causal, scale, deterministic);
+                                                    bool causal, double scale, bool deterministic,
+                                                    bool seq_major) {
+  /* Nothing to record (inference, decode): the CUDA kernel directly, without building the
+   * autograd Function's node and saving its tensors. */
+  if (!at::GradMode::is_enabled() ||
+      !(q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return forward_op().call(q, k, v, stage, causal, scale, deterministic, seq_major);
+  }
+  auto out = Attention::apply(q, k, v, std::string(stage), causal, scale, deterministic, seq_major);
   return {out[0], out[1]};
+}
+
+/* ---- Planned calls ----------------------------------------------------------------------
+ * The package's entry points check a call and choose its stage in Python, tens of
+ * microseconds the first time; a model calls the same shapes again and again (its layers, a
+ * decode loop). Python hands each choice here (remember_plan), and a repeated call comes
+ * straight to planned_forward, which finds it by everything the checks and the choice read
+ * and runs the forward operator, with no Python in between. */
+
+struct Plan {
+  std::string stage;
+  double scale;
+};
+
+std::mutex plans_lock;
+std::unordered_map<std::string, Plan> plans;
+constexpr size_t MaxPlans = 4096; /* a decode loop's growing caches: past it, start over */
+
+/* The plan's key: each tensor's sizes, dtype and device, and the call's arguments as given. */
+std::string plan_key(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, bool causal,
+                     std::optional<double> scale, bool gqa,
+                     const std::optional<c10::string_view> &stage, bool seq_major,
+                     bool needs_grad) {
+  std::string key;
+  key.reserve(256);
+  auto put = [&key](const auto &value) {
+    key.append(reinterpret_cast<const char *>(&value), sizeof value);
+  };
+  for (const at::Tensor *t : {&q, &k, &v}) {
+    put(t->dim());
+    for (int64_t size : t->sizes()) put(size);
+    put(t->scalar_type());
+    put(t->device());
+  }
+  put(causal), put(scale.has_value()), put(scale.value_or(0.0)), put(gqa), put(seq_major);
+  put(needs_grad);
+  if (stage) key.append(stage->data(), stage->size());
+  return key;
+}
+
+bool grad_needed(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v) {
+  return at::GradMode::is_enabled() &&
+         (q.requires_grad() || k.requires_grad() || v.requires_grad());
+}
+
+void remember_plan(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, bool causal,
+                   std::optional<double> scale, bool gqa, std::optional<c10::string_view> stage,
+                   bool seq_major, c10::string_view planned_stage, double planned_scale) {
+  std::string key = plan_key(q, k, v, causal, scale, gqa, stage, seq_major, grad_needed(q, k, v));
+  std::lock_guard<std::mutex> hold(plans_lock);
+  if (plans.size() >= MaxPlans) plans.clear();
+  plans[key] = Plan{std::string(planned_stage), planned_scale};
+}
+
+/* [O, LSE] of a planned call (the forward operator's, with autograd's record where a gradient
+ * is wanted), or [] where none is planned: the caller then checks and plans it. */
+std::vector<at::Tensor> planned_forward(const at::Tensor &q, const at::Tensor &k,
+                                        const at::Tensor &v, bool causal,
+                                        std::optional<double> scale, bool gqa,
+                                        std::optional<c10::string_view> stage, bool seq_major,
+                                        bool deterministic) {
+  std::string key = plan_key(q, k, v, causal, scale, gqa, stage, seq_major, grad_needed(q, k, v));
+  Plan plan;
+  {
+    std::lock_guard<std::mutex> hold(plans_lock);
+    auto found = plans.find(key);
+    if (found == plans.end()) return {};
+    plan = found->second;
+  }
+  auto [o, lse] =
+      forward_op().call(q, k, v, plan.stage, causal, plan.scale, deterministic, seq_major);
+  return {o, lse};
 }
 
 }  // namespace
@@ -339,18 +483,27 @@ std::tuple<at::Tensor, at::Tensor> forward_autograd(const at::Tensor &q, const a
 TORCH_LIBRARY(flash_stages, m) {
   m.def(
       "forward(Tensor q, Tensor k, Tensor v, str stage, bool causal, float scale, "
-      "bool deterministic) -> (Tensor, Tensor)");
+      "bool deterministic, bool seq_major=False) -> (Tensor, Tensor)");
   m.def(
       "backward(Tensor d_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, str stage, "
-      "bool causal, float scale, bool deterministic) -> (Tensor, Tensor, Tensor)");
+      "bool causal, float scale, bool deterministic, bool seq_major=False) -> "
+      "(Tensor, Tensor, Tensor)");
   m.def(
-      "forward_kvcache(Tensor q, Tensor k, Tensor v, Tensor cache_lens, int[] host_lens, "
+      "forward_kvcache(Tensor q, Tensor k, Tensor v, Tensor? cache_lens, int[] host_lens, "
       "str stage, bool causal, float scale) -> (Tensor, Tensor)");
   m.def(
       "register_stage(str name, int forward_workspace, int backward_workspace, int forward, "
       "int backward, int error, bool layouts) -> ()",
       &register_stage);
   m.def("last_call() -> (str, str, int[])", &last_call);
+  m.def(
+      "planned_forward(Tensor q, Tensor k, Tensor v, bool causal, float? scale, bool gqa, "
+      "str? stage, bool seq_major, bool deterministic) -> Tensor[]",
+      &planned_forward);
+  m.def(
+      "remember_plan(Tensor q, Tensor k, Tensor v, bool causal, float? scale, bool gqa, "
+      "str? stage, bool seq_major, str planned_stage, float planned_scale) -> ()",
+      &remember_plan);
 }
 
 TORCH_LIBRARY_IMPL(flash_stages, CUDA, m) {

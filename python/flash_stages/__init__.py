@@ -312,9 +312,18 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     fallback: True sends what the stage cannot compute to torch SDPA (with a warning) instead
     of raising FlashStagesError."""
     q, k, v = query, key, value
+    given = (is_causal, scale, enable_gqa, stage)  # as the plan's key has them
     planned = None
     if attn_mask is None and not dropout_p and type(q) is type(k) is type(v) is torch.Tensor \
             and not torch.compiler.is_compiling():  # traced shapes may be symbols: no key
+        if _planned_forward is not None and _plannable(scale, stage):
+            try:  # a call already checked and planned: the C++ operator finds it
+                out = _planned_forward(q, k, v, bool(is_causal), scale, bool(enable_gqa), stage,
+                                       False, False)
+            except ValueError as e:  # the library's 2 or 77: what this device cannot run
+                raise FlashStagesError(str(e)) from None
+            if out:
+                return out[0]
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
                                                   v.requires_grad)
         planned = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device,
@@ -342,21 +351,35 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         # Nothing for a kernel to do; SDPA's answer for empty keys is an empty sum: zeros.
         return torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
     if planned is not None:
-        _remember_plan(planned, scale, stage)
+        _remember_plan(planned, scale, stage, (q, k, v, False) + given)
     o, _ = _attention(q, k, v, stage, bool(is_causal), scale, False, needs_grad)
     return o
 
 
 # The scale and stage of calls already checked and planned, by everything the checks and the
 # stage choice read (shapes, dtypes, devices and the arguments), so that a repeated call (a
-# model's layers, a decode loop) skips them: 6 us of a call of 20 on a small problem.
+# model's layers, a decode loop) skips them: 6 us of a call of 20 on a small problem. Both
+# entries keep their plans here, each with its own kind of key.
 _PLANNED, _PLANNED_ENTRIES = {}, 4096
 
 
-def _remember_plan(key, scale, stage):
+def _remember_plan(key, scale, stage, call):
+    """Keeps the plan for the Python entry (key) and, where the C++ operators run, for
+    planned_forward: call is (q, k, v, seq_major, causal, scale, gqa, stage) as given, or None
+    for an entry that planned_forward does not serve (flash_attn_with_kvcache)."""
     if len(_PLANNED) >= _PLANNED_ENTRIES:  # a decode loop's growing caches: start over
         _PLANNED.clear()
     _PLANNED[key] = (scale, stage)
+    if call is not None and _planned_forward is not None and _plannable(call[5], call[7]):
+        q, k, v, seq_major, causal, given_scale, gqa, given_stage = call
+        torch.ops.flash_stages.remember_plan(q, k, v, bool(causal), given_scale, bool(gqa),
+                                             given_stage, seq_major, stage, scale)
+
+
+def _plannable(scale, stage):
+    """Arguments planned_forward's schema takes as they are (a float or None, a str or None);
+    a call with any other (a numpy scalar, say) takes the Python path every time."""
+    return (scale is None or type(scale) is float) and (stage is None or type(stage) is str)
 
 
 def _plan(q, k, v, scale, scale_name, is_causal, enable_gqa, stage):
@@ -410,10 +433,9 @@ def _attention(q, k, v, stage, causal, scale, deterministic, needs_grad):
     FlashStagesError is a kind). Otherwise torch.compile traces the Python operator, and eager
     calls skip its dispatch: without a gradient to record they call the forward itself, with
     one they take the autograd.Function."""
-    if _OPERATORS:
+    if _OPERATORS:  # the library checks the harness's variables itself, on every call
         if torch.compiler.is_compiling():
             return _cpp_forward(q, k, v, stage, causal, scale, deterministic)
-        _check_environment()
         try:
             return _cpp_forward(q, k, v, stage, causal, scale, deterministic)
         except ValueError as e:  # the library's 2 or 77: what this device cannot run
@@ -439,6 +461,22 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     are and writes out, dq, dk and dv in that layout; for any other (08 and earlier, or the
     Python operators) they are copied into [B, H, S, d], in the forward and again in the
     backward, and the output out of it."""
+    given = (causal, softmax_scale, True, stage)  # as the plan's key has them
+    planned = None
+    if type(q) is type(k) is type(v) is torch.Tensor and not dropout_p and \
+            not torch.compiler.is_compiling():  # as in scaled_dot_product_attention
+        if _planned_forward is not None and _plannable(softmax_scale, stage):
+            try:  # a call already checked and planned: the C++ operator finds it
+                out = _planned_forward(q, k, v, bool(causal), softmax_scale, True, stage, True,
+                                       bool(deterministic))
+            except ValueError as e:  # the library's 2 or 77: what this device cannot run
+                raise FlashStagesError(str(e)) from None
+            if out:
+                return (out[0], out[1]) if return_lse else out[0]
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
+                                                  v.requires_grad)
+        planned = ("flash_attn_func", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+                   q.device, k.device, v.device, causal, softmax_scale, stage, needs_grad)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise FlashStagesError(f"{name} must be a 4-D tensor [B, S, H, d], got "
@@ -461,6 +499,15 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
         out = torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
         lse = torch.full(qh.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
+    if planned is not None:
+        _remember_plan(planned, scale, stage, (q, k, v, True) + given)
+    if _OPERATORS:
+        try:
+            out, lse = _cpp_forward(q, k, v, stage, bool(causal), scale, bool(deterministic),
+                                    True)
+        except ValueError as e:
+            raise FlashStagesError(str(e)) from None
+        return (out, lse) if return_lse else out
     o, lse = _attention(qh, kh, vh, stage, bool(causal), scale, bool(deterministic),
                         needs_grad)
     out = o.transpose(1, 2).contiguous()
@@ -478,11 +525,26 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softmax_
     Returns out [B, S_q, H, d] and with return_softmax_lse=True also the LSE [B, H, S_q]
     (float32; -inf on rows that see no key). No gradient is recorded (as FlashAttention's) and
     the cache is not appended to: write the new keys into k_cache and v_cache first. Stage 11
-    (the KV-cache stage) runs it, or `stage` if it takes cache lengths. The lengths are read
-    on the host for the stage's split plan (a CUDA cache_seqlens is copied back, a
-    synchronisation) and copied to the device (an int, a list or a CPU tensor), so the call
-    cannot be captured in a CUDA graph, whatever form the lengths take. Stage 11 reads q and
-    the caches in place (through the C++ operators; the Python ones copy them)."""
+    (the KV-cache stage) runs it, or `stage` if it takes cache lengths. With cache_seqlens an
+    int32 tensor on q's device, the kernels read the lengths there, and stage 11 splits the
+    keys as for full caches (S_cache each): the call reads nothing back to the host, so it can
+    be captured in a CUDA graph and replayed with new lengths in that tensor. Outside a
+    capture the lengths are still checked to be in 0..S_cache (a synchronisation); during one
+    they cannot be, and a length outside is clamped into it. Any other form (an int, a list, a
+    CPU tensor) is read on the host, split by the longest length, and copied to the device
+    on each call: not capturable. Stage 11 reads q and the caches in place (through the C++
+    operators; the Python ones copy them)."""
+    planned = None
+    if _OPERATORS and type(q) is type(k_cache) is type(v_cache) is torch.Tensor and \
+            not torch.compiler.is_compiling():  # as in scaled_dot_product_attention
+        planned = ("flash_attn_with_kvcache", q.shape, k_cache.shape, v_cache.shape, q.dtype,
+                   k_cache.dtype, v_cache.dtype, q.device, k_cache.device, v_cache.device,
+                   causal, softmax_scale, stage)
+        plan = _PLANNED.get(planned)
+        if plan is not None:  # checked and planned before: only the lengths are new
+            lens = _cache_lengths(cache_seqlens, q.shape[0], k_cache.shape[1], q.device)
+            return _kvcache_operator(q, k_cache, v_cache, lens, plan[1], causal, plan[0],
+                                     return_softmax_lse)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise FlashStagesError(f"{name} must be a 4-D tensor [B, S, H, d], got "
@@ -513,26 +575,51 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softmax_
         out = torch.zeros_like(q)
         lse = torch.full(qh.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
         return (out, lse) if return_softmax_lse else out
-    _check_environment()
     if _OPERATORS:
-        try:
-            o, lse = torch.ops.flash_stages.forward_kvcache(qh, kh, vh, device_lens,
-                                                            list(host_lens), stage,
-                                                            bool(causal), scale)
-        except ValueError as e:  # the library's 2 or 77: what this device cannot run
-            raise FlashStagesError(str(e)) from None
-    else:
-        o, lse = _run_forward(qh, kh, vh, stage, bool(causal), scale, (host_lens, device_lens))
+        if planned is not None:
+            _remember_plan(planned, scale, stage, None)
+        return _kvcache_operator(q, k_cache, v_cache, (host_lens, device_lens), stage, causal,
+                                 scale, return_softmax_lse)
+    _check_environment()
+    o, lse = _run_forward(qh, kh, vh, stage, bool(causal), scale, (host_lens, device_lens))
     out = o.transpose(1, 2).contiguous()
     return (out, lse) if return_softmax_lse else out
 
 
+def _kvcache_operator(q, k_cache, v_cache, lens, stage, causal, scale, return_lse):
+    """flash_attn_with_kvcache through the C++ operator, on the tensors as they are ([B, S, H,
+    d]); lens as _cache_lengths gives them. Detached only where autograd would record them:
+    no gradient, as FlashAttention's."""
+    if torch.is_grad_enabled() and (q.requires_grad or k_cache.requires_grad or
+                                    v_cache.requires_grad):
+        q, k_cache, v_cache = q.detach(), k_cache.detach(), v_cache.detach()
+    host_lens, device_lens = lens
+    try:
+        out, lse = torch.ops.flash_stages.forward_kvcache(
+            q, k_cache, v_cache, device_lens, list(host_lens) if host_lens is not None else [],
+            stage, bool(causal), scale)
+    except ValueError as e:  # the library's 2 or 77: what this device cannot run
+        raise FlashStagesError(str(e)) from None
+    return (out, lse) if return_lse else out
+
+
 def _cache_lengths(cache_seqlens, batch, capacity, device):
-    """(B host ints as a tuple, the same as contiguous int32 on `device`) from
-    flash_attn_with_kvcache's cache_seqlens, each checked to be in 0..capacity."""
-    if cache_seqlens is None:
-        host = (capacity,) * batch
-    elif isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+    """flash_attn_with_kvcache's cache_seqlens as (B host ints as a tuple, or None; the same as
+    contiguous int32 on `device`, or None), each checked to be in 0..capacity. (None, None):
+    no lengths, every sequence full. None on the host alone: the lengths were given as int32
+    on `device`, and are used there as they are (no host copy: the split is planned for full
+    caches), and read back for the check only outside a CUDA graph capture."""
+    if cache_seqlens is None:  # every sequence full: no lengths at all, the plain forward
+        return None, None
+    on_device = isinstance(cache_seqlens, torch.Tensor) and \
+        cache_seqlens.dtype == torch.int32 and cache_seqlens.device == device and \
+        cache_seqlens.is_contiguous()
+    if on_device and torch.cuda.is_current_stream_capturing():
+        if cache_seqlens.numel() != batch:
+            raise FlashStagesError(f"cache_seqlens has {cache_seqlens.numel()} lengths for a "
+                                   f"batch of {batch}")
+        return None, cache_seqlens.reshape(-1)
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
         host = (cache_seqlens,) * batch
     else:
         if isinstance(cache_seqlens, torch.Tensor):
@@ -557,9 +644,8 @@ def _cache_lengths(cache_seqlens, batch, capacity, device):
     if bad:
         raise FlashStagesError(f"cache_seqlens {bad[0]} is outside 0..{capacity} (the caches' "
                                "capacity, S_cache)")
-    if isinstance(cache_seqlens, torch.Tensor) and cache_seqlens.dtype == torch.int32 and \
-            cache_seqlens.device == device and cache_seqlens.is_contiguous():
-        return host, cache_seqlens.reshape(-1)
+    if on_device:
+        return None, cache_seqlens.reshape(-1)
     return host, torch.tensor(host, dtype=torch.int32, device=device)
 
 
@@ -707,6 +793,11 @@ _OP_OPTIONS = {}
 # unused, so that FLASH_STAGES_PYTHON_OPERATORS=1 and the C++ build run the same code above.
 _PYTHON_NAMESPACE = "flash_stages_python" if _OPERATORS else "flash_stages"
 _cpp_forward = torch.ops.flash_stages.forward.default if _OPERATORS else None
+# planned_forward as the callable the operator object wraps: its Python __call__ is a frame
+# more on every call.
+_planned_forward = getattr(torch.ops.flash_stages.planned_forward.default, "_op",
+                           torch.ops.flash_stages.planned_forward.default) \
+    if _OPERATORS else None
 
 
 def _run_forward(q, k, v, stage, causal, scale, lens=None):
@@ -724,7 +815,8 @@ def _run_forward(q, k, v, stage, causal, scale, lens=None):
         bufs = _library.Buffers(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
                                 lse.data_ptr(), None, None, None, None,
                                 ws.data_ptr() if ws is not None else None,
-                                lens[1].data_ptr() if lens is not None else None)
+                                lens[1].data_ptr() if lens is not None and lens[1] is not None
+                                else None)
         last_call._record(stage=stage, direction="forward", q=bufs.q, k=bufs.k, v=bufs.v,
                          o=bufs.o, lse=bufs.lse)
         lib.forward(p, bufs, stream)

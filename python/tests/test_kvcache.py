@@ -92,14 +92,19 @@ def sequence_reference(q, k, v, n, causal, scale, dtype):
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_kvcache_by_sequence(case, dtype):
+@pytest.mark.parametrize("form", ["host", "device"])
+def test_kvcache_by_sequence(case, dtype, form):
     """Each sequence's O and LSE as float64 attention over its own keys gives them, O by the
     half-precision rule (error at most 2x that of a plain attention in the same precision,
-    plus a rounding floor), rows that see no key exactly 0 and -inf."""
+    plus a rounding floor), rows that see no key exactly 0 and -inf. form: the lengths as
+    given (read on the host, split by the longest), or as int32 on the GPU (read there only,
+    split as for full caches)."""
     dt = DTYPES[dtype]
     b, h, hkv, sq, s, d, causal, lens = case
     q, k, v, per_seq = make(case, dt)
     scale = 1 / math.sqrt(d)
+    if form == "device":
+        lens = torch.tensor(per_seq, dtype=torch.int32, device="cuda")
     out, lse = fs.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=causal,
                                           return_softmax_lse=True)
     assert out.shape == q.shape and lse.shape == (b, h, sq)
@@ -127,16 +132,59 @@ def test_kvcache_by_sequence(case, dtype):
 
 
 def test_cache_seqlens_forms_agree():
-    """An int, a list, a CPU int64 tensor and a CUDA int32 tensor of the same lengths give the
-    same output, bit for bit; so does None where every sequence is full."""
+    """An int, a list, a CPU int64 tensor and a CUDA int64 tensor of the same lengths give the
+    same output, bit for bit (each is read on the host); so does None where every sequence is
+    full. A CUDA int32 tensor, read on the GPU only and split as for full caches, may sum in
+    another order: the same output to fp16's rounding."""
     case = (3, 8, 2, 1, 300, 64, False, [120, 120, 120])
     q, k, v, _ = make(case, torch.float16)
     want = fs.flash_attn_with_kvcache(q, k, v, cache_seqlens=120)
-    for form in ([120] * 3, torch.full((3,), 120), torch.full((3,), 120, dtype=torch.int32,
-                                                              device="cuda")):
+    for form in ([120] * 3, torch.full((3,), 120), torch.full((3,), 120, device="cuda")):
         assert torch.equal(fs.flash_attn_with_kvcache(q, k, v, cache_seqlens=form), want)
     full = fs.flash_attn_with_kvcache(q[:, :, :], k[:, :120], v[:, :120])
     assert torch.equal(full, want)
+    on_gpu = torch.full((3,), 120, dtype=torch.int32, device="cuda")
+    torch.testing.assert_close(fs.flash_attn_with_kvcache(q, k, v, cache_seqlens=on_gpu), want)
+
+
+def test_kvcache_graph_replays_with_new_lengths():
+    """A decode step with the lengths as int32 on the GPU, captured once in a CUDA graph (no
+    host read, no synchronisation: a capture would fail on one), replays on new queries, new
+    cache contents and new lengths written into the captured tensors, as a serving loop does:
+    each replay gives the eager call's output bit for bit, and reads no key past the new
+    lengths (NaN there)."""
+    b, h, hkv, sq, s, d = 4, 32, 8, 1, 2048, 128
+    steps = [[2048, 1, 700, 0], [5, 2000, 64, 1500], [1024, 1024, 2047, 3]]
+    q = torch.empty(b, sq, h, d, device="cuda", dtype=torch.float16)
+    k = torch.empty(b, s, hkv, d, device="cuda", dtype=torch.float16)
+    v = torch.empty_like(k)
+    lens = torch.empty(b, dtype=torch.int32, device="cuda")
+
+    def fill(step):
+        """The step's inputs, written into the captured tensors."""
+        case = (b, h, hkv, sq, s, d, False, steps[step])
+        new_q, new_k, new_v, _ = make(case, torch.float16, seed=step)
+        q.copy_(new_q), k.copy_(new_k), v.copy_(new_v)
+        lens.copy_(torch.tensor(steps[step], dtype=torch.int32))
+
+    def decode():
+        return fs.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
+    fill(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture, as torch.cuda.graph asks
+        decode()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = decode()
+    for step in range(len(steps)):
+        fill(step)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(captured).all(), f"step {step}: a key past its length was read"
+        want = decode()
+        assert torch.equal(captured, want), f"step {step}: the replay differs from eager"
 
 
 def test_kvcache_matches_flash_attn_func_on_full_caches():
@@ -159,6 +207,14 @@ def test_kvcache_matches_flash_attn_func_on_full_caches():
 def test_bad_cache_seqlens_are_clear_errors(lens, match):
     q, k, v, _ = make((3, 8, 2, 1, 300, 64, False, 300), torch.float16)
     with pytest.raises(fs.FlashStagesError, match=match):
+        fs.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
+
+
+def test_bad_cache_seqlens_on_the_gpu_are_clear_errors_outside_a_capture():
+    """Lengths given as int32 on the GPU are read back and checked in an eager call."""
+    q, k, v, _ = make((3, 8, 2, 1, 300, 64, False, 300), torch.float16)
+    lens = torch.tensor([5, 301, 5], dtype=torch.int32, device="cuda")
+    with pytest.raises(fs.FlashStagesError, match=r"cache_seqlens 301 is outside 0\.\.300"):
         fs.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens)
 
 

@@ -282,6 +282,44 @@ def test_flash_attn_func_reads_bshd_in_place(stage, deterministic):
             assert torch.equal(g.transpose(1, 2), w), f"{name} differs between the layouts"
 
 
+def test_repeated_calls_take_their_plan():
+    """A call repeated on the same shapes (a model's layers, a decode loop) skips the checks
+    and the stage choice: through the C++ operators planned_forward finds the first call's
+    plan. It runs the same stage to the same bits, for both entries; a plan is by everything
+    the choice read, so the same shapes with a gradient wanted, or with another stage named,
+    are planned anew."""
+    q, k, v, d_o = inputs((2, 4, 200, 200, 64, True), torch.float16)
+    qs, ks, vs = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+    firsts = []
+    for call, args in ((lambda *t: fs.scaled_dot_product_attention(*t, is_causal=True), (q, k, v)),
+                       (lambda *t: fs.flash_attn_func(*t, causal=True), (qs, ks, vs))):
+        firsts.append(call(*args))
+        stage = fs.last_call["stage"]
+        again = call(*args)
+        assert fs.last_call["stage"] == stage and torch.equal(firsts[-1], again)
+    if fs._OPERATORS:
+        planned = torch.ops.flash_stages.planned_forward(q, k, v, True, None, False, None, False,
+                                                         False)
+        assert len(planned) == 2 and torch.equal(planned[0], firsts[0])
+        unplanned = torch.ops.flash_stages.planned_forward(q, k, v, True, 0.5, False, None,
+                                                           False, False)
+        assert unplanned == [], "a plan served a call with another scale"
+    named = [s for s in fs.stages() if fs.stage_info(s).causal and torch.float16 in
+             fs.stage_info(s).dtypes and s != stage]
+    if named:
+        fs.scaled_dot_product_attention(q, k, v, is_causal=True, stage=named[0])
+        assert fs.last_call["stage"] == named[0]
+    if "12_hopper_backward" in fs.stages():  # GQA: 11 without a gradient, 12 with one
+        qg, kg, vg, _ = inputs(GQA_SHAPES[2], torch.float16)
+        kg, vg = kg[:, :2].contiguous(), vg[:, :2].contiguous()
+        for grad in (False, True, True):
+            qq, kk, vv = (x.detach().requires_grad_(grad) for x in (qg, kg, vg))
+            o = fs.scaled_dot_product_attention(qq, kk, vv, enable_gqa=True)
+            if grad:
+                assert fs.last_call["stage"] == "12_hopper_backward"
+                torch.autograd.grad(o.sum(), (qq, kk, vv))
+
+
 def test_torch_compile_traces_without_graph_breaks():
     stage = fastest_half()
     q, k, v, d_o = inputs((2, 4, 256, 256, 64, True), torch.float16)
