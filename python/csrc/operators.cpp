@@ -458,14 +458,19 @@ void remember_plan(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v
   plans[key] = Plan{std::string(planned_stage), planned_scale};
 }
 
+/* planned_forward's flags: the call's booleans in one argument. From Python each argument of an
+ * operator costs host time (its conversion), and this call is on every layer's path; so it
+ * serves the calls of the default scale and stage, by far the most common (others keep their
+ * plans in Python). */
+enum PlannedCall { PlanCausal = 1, PlanGqa = 2, PlanSeqMajor = 4, PlanDeterministic = 8 };
+
 /* [O, LSE] of a planned call (the forward operator's, with autograd's record where a gradient
  * is wanted), or [] where none is planned: the caller then checks and plans it. */
 std::vector<at::Tensor> planned_forward(const at::Tensor &q, const at::Tensor &k,
-                                        const at::Tensor &v, bool causal,
-                                        std::optional<double> scale, bool gqa,
-                                        std::optional<c10::string_view> stage, bool seq_major,
-                                        bool deterministic) {
-  std::string key = plan_key(q, k, v, causal, scale, gqa, stage, seq_major, grad_needed(q, k, v));
+                                        const at::Tensor &v, int64_t call) {
+  bool causal = call & PlanCausal, seq_major = call & PlanSeqMajor;
+  std::string key = plan_key(q, k, v, causal, std::nullopt, call & PlanGqa, std::nullopt, seq_major,
+                             grad_needed(q, k, v));
   Plan plan;
   {
     std::lock_guard<std::mutex> hold(plans_lock);
@@ -473,8 +478,8 @@ std::vector<at::Tensor> planned_forward(const at::Tensor &q, const at::Tensor &k
     if (found == plans.end()) return {};
     plan = found->second;
   }
-  auto [o, lse] =
-      forward_op().call(q, k, v, plan.stage, causal, plan.scale, deterministic, seq_major);
+  auto [o, lse] = forward_op().call(q, k, v, plan.stage, causal, plan.scale,
+                                    call & PlanDeterministic, seq_major);
   return {o, lse};
 }
 
@@ -496,10 +501,7 @@ TORCH_LIBRARY(flash_stages, m) {
       "int backward, int error, bool layouts) -> ()",
       &register_stage);
   m.def("last_call() -> (str, str, int[])", &last_call);
-  m.def(
-      "planned_forward(Tensor q, Tensor k, Tensor v, bool causal, float? scale, bool gqa, "
-      "str? stage, bool seq_major, bool deterministic) -> Tensor[]",
-      &planned_forward);
+  m.def("planned_forward(Tensor q, Tensor k, Tensor v, int call) -> Tensor[]", &planned_forward);
   m.def(
       "remember_plan(Tensor q, Tensor k, Tensor v, bool causal, float? scale, bool gqa, "
       "str? stage, bool seq_major, str planned_stage, float planned_scale) -> ()",

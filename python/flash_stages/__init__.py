@@ -316,10 +316,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     planned = None
     if attn_mask is None and not dropout_p and type(q) is type(k) is type(v) is torch.Tensor \
             and not torch.compiler.is_compiling():  # traced shapes may be symbols: no key
-        if _planned_forward is not None and _plannable(scale, stage):
+        if _planned_forward is not None and scale is None and stage is None:
             try:  # a call already checked and planned: the C++ operator finds it
-                out = _planned_forward(q, k, v, bool(is_causal), scale, bool(enable_gqa), stage,
-                                       False, False)
+                out = _planned_forward(q, k, v, (_PLAN_CAUSAL if is_causal else 0) |
+                                       (_PLAN_GQA if enable_gqa else 0))
             except ValueError as e:  # the library's 2 or 77: what this device cannot run
                 raise FlashStagesError(str(e)) from None
             if out:
@@ -364,22 +364,20 @@ _PLANNED, _PLANNED_ENTRIES = {}, 4096
 
 
 def _remember_plan(key, scale, stage, call):
-    """Keeps the plan for the Python entry (key) and, where the C++ operators run, for
+    """Keeps the plan for the Python entry (key) and, where the C++ operators run and the call
+    asked for the default scale and stage (the calls planned_forward serves), for
     planned_forward: call is (q, k, v, seq_major, causal, scale, gqa, stage) as given, or None
     for an entry that planned_forward does not serve (flash_attn_with_kvcache)."""
     if len(_PLANNED) >= _PLANNED_ENTRIES:  # a decode loop's growing caches: start over
         _PLANNED.clear()
     _PLANNED[key] = (scale, stage)
-    if call is not None and _planned_forward is not None and _plannable(call[5], call[7]):
+    if call is not None and _planned_forward is not None and call[5] is None and \
+            call[7] is None:
         q, k, v, seq_major, causal, given_scale, gqa, given_stage = call
         torch.ops.flash_stages.remember_plan(q, k, v, bool(causal), given_scale, bool(gqa),
                                              given_stage, seq_major, stage, scale)
 
 
-def _plannable(scale, stage):
-    """Arguments planned_forward's schema takes as they are (a float or None, a str or None);
-    a call with any other (a numpy scalar, say) takes the Python path every time."""
-    return (scale is None or type(scale) is float) and (stage is None or type(stage) is str)
 
 
 def _plan(q, k, v, scale, scale_name, is_causal, enable_gqa, stage):
@@ -465,10 +463,11 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     planned = None
     if type(q) is type(k) is type(v) is torch.Tensor and not dropout_p and \
             not torch.compiler.is_compiling():  # as in scaled_dot_product_attention
-        if _planned_forward is not None and _plannable(softmax_scale, stage):
+        if _planned_forward is not None and softmax_scale is None and stage is None:
             try:  # a call already checked and planned: the C++ operator finds it
-                out = _planned_forward(q, k, v, bool(causal), softmax_scale, True, stage, True,
-                                       bool(deterministic))
+                out = _planned_forward(q, k, v, (_PLAN_CAUSAL if causal else 0) | _PLAN_GQA |
+                                       _PLAN_SEQ_MAJOR |
+                                       (_PLAN_DETERMINISTIC if deterministic else 0))
             except ValueError as e:  # the library's 2 or 77: what this device cannot run
                 raise FlashStagesError(str(e)) from None
             if out:
@@ -794,7 +793,8 @@ _OP_OPTIONS = {}
 _PYTHON_NAMESPACE = "flash_stages_python" if _OPERATORS else "flash_stages"
 _cpp_forward = torch.ops.flash_stages.forward.default if _OPERATORS else None
 # planned_forward as the callable the operator object wraps: its Python __call__ is a frame
-# more on every call.
+# more on every call. Its flags (PlannedCall in operators.cpp):
+_PLAN_CAUSAL, _PLAN_GQA, _PLAN_SEQ_MAJOR, _PLAN_DETERMINISTIC = 1, 2, 4, 8
 _planned_forward = getattr(torch.ops.flash_stages.planned_forward.default, "_op",
                            torch.ops.flash_stages.planned_forward.default) \
     if _OPERATORS else None

@@ -285,9 +285,10 @@ def test_flash_attn_func_reads_bshd_in_place(stage, deterministic):
 def test_repeated_calls_take_their_plan():
     """A call repeated on the same shapes (a model's layers, a decode loop) skips the checks
     and the stage choice: through the C++ operators planned_forward finds the first call's
-    plan. It runs the same stage to the same bits, for both entries; a plan is by everything
-    the choice read, so the same shapes with a gradient wanted, or with another stage named,
-    are planned anew."""
+    plan (for the default scale and stage; others keep theirs in Python). It runs the same
+    stage to the same bits, for both entries; a plan is by everything the choice read, so the
+    same shapes with a gradient wanted, another mask, scale or a stage named are planned
+    anew."""
     q, k, v, d_o = inputs((2, 4, 200, 200, 64, True), torch.float16)
     qs, ks, vs = (x.transpose(1, 2).contiguous() for x in (q, k, v))
     firsts = []
@@ -297,13 +298,14 @@ def test_repeated_calls_take_their_plan():
         stage = fs.last_call["stage"]
         again = call(*args)
         assert fs.last_call["stage"] == stage and torch.equal(firsts[-1], again)
-    if fs._OPERATORS:
-        planned = torch.ops.flash_stages.planned_forward(q, k, v, True, None, False, None, False,
-                                                         False)
+    if fs._OPERATORS:  # flags: 1 causal (2 gqa, 4 seq_major, 8 deterministic)
+        planned = torch.ops.flash_stages.planned_forward(q, k, v, 1)
         assert len(planned) == 2 and torch.equal(planned[0], firsts[0])
-        unplanned = torch.ops.flash_stages.planned_forward(q, k, v, True, 0.5, False, None,
-                                                           False, False)
-        assert unplanned == [], "a plan served a call with another scale"
+        unplanned = torch.ops.flash_stages.planned_forward(q, k, v, 0)
+        assert unplanned == [], "a causal call's plan served a non-causal one"
+    scaled = [fs.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5)
+              for _ in range(2)]  # another scale: planned in Python
+    assert torch.equal(scaled[0], scaled[1]) and not torch.equal(scaled[0], firsts[0])
     named = [s for s in fs.stages() if fs.stage_info(s).causal and torch.float16 in
              fs.stage_info(s).dtypes and s != stage]
     if named:
