@@ -11,12 +11,8 @@ set style fill solid 0.8 noborder
 set boxwidth 0.9
 set key outside right top noenhanced
 set xtics noenhanced rotate by -25
-plot 'call_overhead_data/call_overhead.dat' using 2:xtic(1) title 'flash_stages 22deb95 (C++ operators), SDPA call' lc rgb '#1b9e77', \
-     'call_overhead_data/call_overhead.dat' using 3:xtic(1) title 'flash_stages 22deb95 (C++ operators), FlashAttention call' lc rgb '#d95f02', \
-     'call_overhead_data/call_overhead.dat' using 4:xtic(1) title 'flash_stages c54f357 (C++ operators)' lc rgb '#7570b3', \
-     'call_overhead_data/call_overhead.dat' using 5:xtic(1) title 'flash_stages 946e0a5 (C++ operators)' lc rgb '#e7298a', \
-     'call_overhead_data/call_overhead.dat' using 6:xtic(1) title 'flash_stages 946e0a5 (Python operators)' lc rgb '#66a61e', \
-     'call_overhead_data/call_overhead.dat' using 7:xtic(1) title 'SDPA flash' lc rgb '#e6ab02', \
-     'call_overhead_data/call_overhead.dat' using 8:xtic(1) title 'SDPA cudnn' lc rgb '#a6761d', \
-     'call_overhead_data/call_overhead.dat' using 9:xtic(1) title 'SDPA efficient' lc rgb '#666666', \
-     'call_overhead_data/call_overhead.dat' using 10:xtic(1) title 'SDPA math' lc rgb '#1f78b4'
+plot 'call_overhead_data/call_overhead.dat' using 2:xtic(1) title 'flash_stages 7b4e1e1 (C++ operators), SDPA call' lc rgb '#1b9e77', \
+     'call_overhead_data/call_overhead.dat' using 3:xtic(1) title 'flash_stages 7b4e1e1 (C++ operators), FlashAttention call' lc rgb '#d95f02', \
+     'call_overhead_data/call_overhead.dat' using 4:xtic(1) title 'SDPA flash' lc rgb '#7570b3', \
+     'call_overhead_data/call_overhead.dat' using 5:xtic(1) title 'SDPA cudnn' lc rgb '#e7298a', \
+     'call_overhead_data/call_overhead.dat' using 6:xtic(1) title 'SDPA efficient' lc rgb '#66a61e'
