@@ -131,38 +131,47 @@ void attn_require_shared_memory(const void *kernel, size_t bytes, const char *ke
   int device;
   CUDA_CHECK(cudaGetDevice(&device));
   size_t per_sm = env_bytes("ATTN_SHARED_MEMORY_PER_SM");
-  std::lock_guard<std::mutex> hold(lock);
+  /* The CUDA calls' errors are checked once the lock is released: a failed check leaves
+   * through attn_fail, which in the library jumps back to its entry point (longjmp), past
+   * any destructor, and a lock held there would be held for good. */
+  cudaError_t err = cudaSuccess;
+  const char *failed = "";
+  lock.lock();
   opted_in *entry = nullptr;
   for (int i = 0; i < used && !entry; i++)
     if (done[i].kernel == kernel && done[i].device == device) entry = &done[i];
-  if (entry && bytes <= entry->bytes && per_sm == entry->per_sm) return;
-  if (!entry) {
-    if (used == Remembered) used = 0; /* forget: the attributes are set again as asked */
-    entry = &done[used++];
-    *entry = {kernel, device, 0, per_sm};
-  }
-  if (bytes > entry->bytes) {
-    /* Above 48 KiB a kernel must opt in explicitly. */
-    CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes));
-    entry->bytes = bytes;
-  }
-  /* Standing in for a GPU of less shared memory per SM: the carveout, a percentage of the
-   * largest, rounded down, since the driver rounds it up to the next capacity the SM has
-   * (on Hopper 100 KiB and 164 KiB among them, the sm_86/89 and sm_80 figures). 0: the
-   * default, every capacity allowed. */
-  if (per_sm != entry->per_sm || per_sm) {
-    int percent = -1;
-    if (per_sm) {
-      int most;
-      CUDA_CHECK(
-          cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-      percent = per_sm >= (size_t)most ? 100 : (int)(per_sm * 100 / (size_t)most);
+  if (!entry || bytes > entry->bytes || per_sm != entry->per_sm) {
+    if (!entry) {
+      if (used == Remembered) used = 0; /* forget: the attributes are set again as asked */
+      entry = &done[used++];
+      *entry = {kernel, device, 0, per_sm};
     }
-    CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, percent));
-    entry->per_sm = per_sm;
+    if (bytes > entry->bytes) {
+      /* Above 48 KiB a kernel must opt in explicitly. */
+      err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+      failed = "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)";
+      if (err == cudaSuccess) entry->bytes = bytes;
+    }
+    /* Standing in for a GPU of less shared memory per SM: the carveout, a percentage of the
+     * largest, rounded down, since the driver rounds it up to the next capacity the SM has
+     * (on Hopper 100 KiB and 164 KiB among them, the sm_86/89 and sm_80 figures). 0: the
+     * default, every capacity allowed. */
+    if (err == cudaSuccess && (per_sm != entry->per_sm || per_sm)) {
+      int percent = -1, most = 0;
+      if (per_sm) {
+        err = cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+        failed = "cudaDeviceGetAttribute(MaxSharedMemoryPerMultiprocessor)";
+        percent = per_sm >= (size_t)most ? 100 : (int)(per_sm * 100 / (size_t)most);
+      }
+      if (err == cudaSuccess) {
+        err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, percent);
+        failed = "cudaFuncSetAttribute(PreferredSharedMemoryCarveout)";
+      }
+      if (err == cudaSuccess) entry->per_sm = per_sm;
+    }
   }
+  lock.unlock();
+  attn_cuda_check(err, failed, __FILE__, __LINE__);
 }
 
 static cudaEvent_t timer_begin, timer_end;

@@ -239,7 +239,8 @@ std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor &q, const at::T
 /* Decode against a KV cache, on flash_attn_with_kvcache's [B, N, H, d] tensors (O comes back so
  * too, LSE as [B, H, N]): sequence b holds its first cache_lens[b] keys (B int32 on q's
  * device, which the kernels read), or all N where cache_lens is None. host_lens: the same B
- * values on the host, from which stage 11 plans its split of the keys, or none: then it plans
+ * values on the host, from which stage 11 plans its split of the keys (they must be the
+ * same: a device length past its host value would not be read whole), or none: then it plans
  * from the capacity (k's N), and the call reads nothing on the host, so that it can be
  * captured in a CUDA graph. No gradient, as FlashAttention's. */
 std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(const at::Tensor &q, const at::Tensor &k,
