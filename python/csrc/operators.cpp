@@ -423,11 +423,14 @@ std::mutex plans_lock;
 std::unordered_map<std::string, Plan> plans;
 constexpr size_t MaxPlans = 4096; /* a decode loop's growing caches: past it, start over */
 
-/* The plan's key: each tensor's sizes, dtype and device, and the call's arguments as given. */
-std::string plan_key(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, bool causal,
-                     std::optional<double> scale, bool gqa,
-                     const std::optional<c10::string_view> &stage, bool seq_major,
-                     bool needs_grad) {
+/* The call's booleans in one argument. From Python each argument of an operator costs host
+ * time (its conversion), and planned_forward is on every layer's path; it serves the calls of
+ * the default scale and stage, by far the most common (others keep their plans in Python). */
+enum PlannedCall { PlanCausal = 1, PlanGqa = 2, PlanSeqMajor = 4, PlanDeterministic = 8 };
+
+/* The plan's key: each tensor's sizes, dtype and device, the flags the stage choice reads
+ * (not PlanDeterministic: the backward's), and whether a gradient is wanted. */
+std::string plan_key(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, int64_t call) {
   std::string key;
   key.reserve(256);
   auto put = [&key](const auto &value) {
@@ -439,39 +442,24 @@ std::string plan_key(const at::Tensor &q, const at::Tensor &k, const at::Tensor 
     put(t->scalar_type());
     put(t->device());
   }
-  put(causal), put(scale.has_value()), put(scale.value_or(0.0)), put(gqa), put(seq_major);
-  put(needs_grad);
-  if (stage) key.append(stage->data(), stage->size());
+  put(call & (PlanCausal | PlanGqa | PlanSeqMajor));
+  put(at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad()));
   return key;
 }
 
-bool grad_needed(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v) {
-  return at::GradMode::is_enabled() &&
-         (q.requires_grad() || k.requires_grad() || v.requires_grad());
-}
-
-void remember_plan(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, bool causal,
-                   std::optional<double> scale, bool gqa, std::optional<c10::string_view> stage,
-                   bool seq_major, c10::string_view planned_stage, double planned_scale) {
-  std::string key = plan_key(q, k, v, causal, scale, gqa, stage, seq_major, grad_needed(q, k, v));
+void remember_plan(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, int64_t call,
+                   c10::string_view stage, double scale) {
+  std::string key = plan_key(q, k, v, call);
   std::lock_guard<std::mutex> hold(plans_lock);
   if (plans.size() >= MaxPlans) plans.clear();
-  plans[key] = Plan{std::string(planned_stage), planned_scale};
+  plans[key] = Plan{std::string(stage), scale};
 }
-
-/* planned_forward's flags: the call's booleans in one argument. From Python each argument of an
- * operator costs host time (its conversion), and this call is on every layer's path; so it
- * serves the calls of the default scale and stage, by far the most common (others keep their
- * plans in Python). */
-enum PlannedCall { PlanCausal = 1, PlanGqa = 2, PlanSeqMajor = 4, PlanDeterministic = 8 };
 
 /* [O, LSE] of a planned call (the forward operator's, with autograd's record where a gradient
  * is wanted), or [] where none is planned: the caller then checks and plans it. */
 std::vector<at::Tensor> planned_forward(const at::Tensor &q, const at::Tensor &k,
                                         const at::Tensor &v, int64_t call) {
-  bool causal = call & PlanCausal, seq_major = call & PlanSeqMajor;
-  std::string key = plan_key(q, k, v, causal, std::nullopt, call & PlanGqa, std::nullopt, seq_major,
-                             grad_needed(q, k, v));
+  std::string key = plan_key(q, k, v, call);
   Plan plan;
   {
     std::lock_guard<std::mutex> hold(plans_lock);
@@ -479,8 +467,8 @@ std::vector<at::Tensor> planned_forward(const at::Tensor &q, const at::Tensor &k
     if (found == plans.end()) return {};
     plan = found->second;
   }
-  auto [o, lse] = forward_op().call(q, k, v, plan.stage, causal, plan.scale,
-                                    call & PlanDeterministic, seq_major);
+  auto [o, lse] = forward_op().call(q, k, v, plan.stage, call & PlanCausal, plan.scale,
+                                    call & PlanDeterministic, call & PlanSeqMajor);
   return {o, lse};
 }
 
@@ -503,10 +491,8 @@ TORCH_LIBRARY(flash_stages, m) {
       &register_stage);
   m.def("last_call() -> (str, str, int[])", &last_call);
   m.def("planned_forward(Tensor q, Tensor k, Tensor v, int call) -> Tensor[]", &planned_forward);
-  m.def(
-      "remember_plan(Tensor q, Tensor k, Tensor v, bool causal, float? scale, bool gqa, "
-      "str? stage, bool seq_major, str planned_stage, float planned_scale) -> ()",
-      &remember_plan);
+  m.def("remember_plan(Tensor q, Tensor k, Tensor v, int call, str stage, float scale) -> ()",
+        &remember_plan);
 }
 
 TORCH_LIBRARY_IMPL(flash_stages, CUDA, m) {

@@ -312,14 +312,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     fallback: True sends what the stage cannot compute to torch SDPA (with a warning) instead
     of raising FlashStagesError."""
     q, k, v = query, key, value
-    given = (is_causal, scale, enable_gqa, stage)  # as the plan's key has them
-    planned = None
+    planned, in_cpp = None, False
     if attn_mask is None and not dropout_p and type(q) is type(k) is type(v) is torch.Tensor \
             and not torch.compiler.is_compiling():  # traced shapes may be symbols: no key
-        if _planned_forward is not None and scale is None and stage is None:
+        flags = (_PLAN_CAUSAL if is_causal else 0) | (_PLAN_GQA if enable_gqa else 0)
+        in_cpp = _planned_forward is not None and scale is None and stage is None
+        if in_cpp:
             try:  # a call already checked and planned: the C++ operator finds it
-                out = _planned_forward(q, k, v, (_PLAN_CAUSAL if is_causal else 0) |
-                                       (_PLAN_GQA if enable_gqa else 0))
+                out = _planned_forward(q, k, v, flags)
             except ValueError as e:  # the library's 2 or 77: what this device cannot run
                 raise FlashStagesError(str(e)) from None
             if out:
@@ -351,33 +351,25 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         # Nothing for a kernel to do; SDPA's answer for empty keys is an empty sum: zeros.
         return torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
     if planned is not None:
-        _remember_plan(planned, scale, stage, (q, k, v, False) + given)
+        _remember_plan(planned, scale, stage)
+    if in_cpp:
+        torch.ops.flash_stages.remember_plan(q, k, v, flags, stage, scale)
     o, _ = _attention(q, k, v, stage, bool(is_causal), scale, False, needs_grad)
     return o
 
 
 # The scale and stage of calls already checked and planned, by everything the checks and the
 # stage choice read (shapes, dtypes, devices and the arguments), so that a repeated call (a
-# model's layers, a decode loop) skips them: 6 us of a call of 20 on a small problem. Both
-# entries keep their plans here, each with its own kind of key.
+# model's layers, a decode loop) skips them: 6 us of a call of 20 on a small problem. Where
+# the C++ operators run, the calls of the default scale and stage keep theirs in C++ instead
+# (flash_stages::remember_plan, found by planned_forward with no Python in between).
 _PLANNED, _PLANNED_ENTRIES = {}, 4096
 
 
-def _remember_plan(key, scale, stage, call):
-    """Keeps the plan for the Python entry (key) and, where the C++ operators run and the call
-    asked for the default scale and stage (the calls planned_forward serves), for
-    planned_forward: call is (q, k, v, seq_major, causal, scale, gqa, stage) as given, or None
-    for an entry that planned_forward does not serve (flash_attn_with_kvcache)."""
+def _remember_plan(key, scale, stage):
     if len(_PLANNED) >= _PLANNED_ENTRIES:  # a decode loop's growing caches: start over
         _PLANNED.clear()
     _PLANNED[key] = (scale, stage)
-    if call is not None and _planned_forward is not None and call[5] is None and \
-            call[7] is None:
-        q, k, v, seq_major, causal, given_scale, gqa, given_stage = call
-        torch.ops.flash_stages.remember_plan(q, k, v, bool(causal), given_scale, bool(gqa),
-                                             given_stage, seq_major, stage, scale)
-
-
 
 
 def _plan(q, k, v, scale, scale_name, is_causal, enable_gqa, stage):
@@ -459,23 +451,20 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     are and writes out, dq, dk and dv in that layout; for any other (08 and earlier, or the
     Python operators) they are copied into [B, H, S, d], in the forward and again in the
     backward, and the output out of it."""
-    given = (causal, softmax_scale, True, stage)  # as the plan's key has them
-    planned = None
-    if type(q) is type(k) is type(v) is torch.Tensor and not dropout_p and \
-            not torch.compiler.is_compiling():  # as in scaled_dot_product_attention
-        if _planned_forward is not None and softmax_scale is None and stage is None:
-            try:  # a call already checked and planned: the C++ operator finds it
-                out = _planned_forward(q, k, v, (_PLAN_CAUSAL if causal else 0) | _PLAN_GQA |
-                                       _PLAN_SEQ_MAJOR |
-                                       (_PLAN_DETERMINISTIC if deterministic else 0))
-            except ValueError as e:  # the library's 2 or 77: what this device cannot run
-                raise FlashStagesError(str(e)) from None
-            if out:
-                return (out[0], out[1]) if return_lse else out[0]
-        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or
-                                                  v.requires_grad)
-        planned = ("flash_attn_func", q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
-                   q.device, k.device, v.device, causal, softmax_scale, stage, needs_grad)
+    # A repeated call of the default scale and stage: its plan is in C++ (as in
+    # scaled_dot_product_attention; through the Python operators every call is checked).
+    in_cpp = _planned_forward is not None and softmax_scale is None and stage is None and \
+        type(q) is type(k) is type(v) is torch.Tensor and not dropout_p and \
+        not torch.compiler.is_compiling()
+    if in_cpp:
+        flags = (_PLAN_CAUSAL if causal else 0) | _PLAN_GQA | _PLAN_SEQ_MAJOR | \
+            (_PLAN_DETERMINISTIC if deterministic else 0)
+        try:
+            out = _planned_forward(q, k, v, flags)
+        except ValueError as e:  # the library's 2 or 77: what this device cannot run
+            raise FlashStagesError(str(e)) from None
+        if out:
+            return (out[0], out[1]) if return_lse else out[0]
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise FlashStagesError(f"{name} must be a 4-D tensor [B, S, H, d], got "
@@ -498,8 +487,8 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
         out = torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
         lse = torch.full(qh.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
-    if planned is not None:
-        _remember_plan(planned, scale, stage, (q, k, v, True) + given)
+    if in_cpp:
+        torch.ops.flash_stages.remember_plan(q, k, v, flags, stage, scale)
     if _OPERATORS:
         try:
             out, lse = _cpp_forward(q, k, v, stage, bool(causal), scale, bool(deterministic),
@@ -576,7 +565,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softmax_
         return (out, lse) if return_softmax_lse else out
     if _OPERATORS:
         if planned is not None:
-            _remember_plan(planned, scale, stage, None)
+            _remember_plan(planned, scale, stage)
         return _kvcache_operator(q, k_cache, v_cache, (host_lens, device_lens), stage, causal,
                                  scale, return_softmax_lse)
     _check_environment()
