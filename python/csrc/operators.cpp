@@ -11,6 +11,7 @@
  * library was built for the torch it runs with, and its Python ones otherwise.
  */
 #include <ATen/ATen.h>
+#include <ATen/cuda/EmptyTensor.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
@@ -168,8 +169,21 @@ bool dense(const at::Tensor &t) {
   return t.is_contiguous() && reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0;
 }
 
-/* A new [B, H, N, d] tensor shaped and typed like t, laid out as `layout` says. */
+/* A new dense CUDA tensor on t's device from the caching allocator, as at::empty makes it but
+ * without the dispatcher's round trip: a call allocates up to five, and at a small shape
+ * each trip is host time the kernels do not hide. */
+at::Tensor new_cuda(at::IntArrayRef sizes, const at::Tensor &t, at::ScalarType dtype) {
+  return at::detail::empty_cuda(sizes, dtype, t.device(), std::nullopt);
+}
+
+/* A new [B, H, N, d] tensor shaped and typed like t, laid out as `layout` says. (Meta tensors,
+ * for torch.compile, through at::empty: their sizes may be symbols.) */
 at::Tensor empty_in(const at::Tensor &t, attn_layout layout) {
+  if (!t.is_meta()) {
+    if (layout == LAYOUT_BHND) return new_cuda(t.sizes(), t, t.scalar_type());
+    return new_cuda({t.size(0), t.size(2), t.size(1), t.size(3)}, t, t.scalar_type())
+        .transpose(1, 2);
+  }
   if (layout == LAYOUT_BHND) return at::empty_like(t, at::MemoryFormat::Contiguous);
   return at::empty_symint({t.sym_size(0), t.sym_size(2), t.sym_size(1), t.sym_size(3)}, t.options())
       .transpose(1, 2);
@@ -187,7 +201,7 @@ attn_buffers pass_buffers(const at::Tensor &q, const at::Tensor &k, const at::Te
   t.o = o.data_ptr();
   t.lse = lse.data_ptr<float>();
   if (workspace_bytes) {
-    holder = at::empty({static_cast<int64_t>(workspace_bytes)}, q.options().dtype(at::kByte));
+    holder = new_cuda({static_cast<int64_t>(workspace_bytes)}, q, at::kByte);
     t.workspace = holder.data_ptr();
   }
   return t;
@@ -214,9 +228,9 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor &q_in, const at:
   at::Tensor q = seq_major ? q_in : kernel_layout(q_in, layout),
              k = seq_major ? k_in : kernel_layout(k_in, layout),
              v = seq_major ? v_in : kernel_layout(v_in, layout);
-  at::Tensor o = seq_major ? at::empty_like(q) : empty_in(q, layout);
+  at::Tensor o = seq_major ? new_cuda(q.sizes(), q, q.scalar_type()) : empty_in(q, layout);
   attn_problem p = problem(q, k, causal, scale, layout, seq_major);
-  at::Tensor lse = at::empty({p.batch, p.heads, p.seq_q}, q.options().dtype(at::kFloat));
+  at::Tensor lse = new_cuda({p.batch, p.heads, p.seq_q}, q, at::kFloat);
   p.cache_lens = host_lens;
   size_t bytes = 0;
   check(lib, lib.forward_workspace(&p, &bytes), "forward workspace");
@@ -287,7 +301,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   attn_layout layout = seq_major ? LAYOUT_BSHD : choose_layout(lib, q_in, k_in);
   auto in_layout = [&](const at::Tensor &t) { return seq_major ? t : kernel_layout(t, layout); };
   auto new_like = [&](const at::Tensor &t) {
-    return seq_major ? at::empty_like(t) : empty_in(t, layout);
+    return seq_major ? new_cuda(t.sizes(), t, t.scalar_type()) : empty_in(t, layout);
   };
   at::Tensor d_o = in_layout(d_o_in), q = in_layout(q_in), k = in_layout(k_in), v = in_layout(v_in),
              o = in_layout(o_in), lse = lse_in.contiguous();
@@ -467,8 +481,18 @@ std::vector<at::Tensor> planned_forward(const at::Tensor &q, const at::Tensor &k
     if (found == plans.end()) return {};
     plan = found->second;
   }
-  auto [o, lse] = forward_op().call(q, k, v, plan.stage, call & PlanCausal, plan.scale,
-                                    call & PlanDeterministic, call & PlanSeqMajor);
+  bool causal = call & PlanCausal, deterministic = call & PlanDeterministic,
+       seq_major = call & PlanSeqMajor;
+  /* Without a gradient to record, the CUDA kernel itself: the dispatcher would pass through
+   * forward_autograd to it, two trips of host time. (A plan is only for plain CUDA tensors:
+   * Python checked them, and the key holds their device.) */
+  if (!at::GradMode::is_enabled() ||
+      !(q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+    auto [o, lse] = forward_cuda(q, k, v, plan.stage, causal, plan.scale, deterministic, seq_major);
+    return {o, lse};
+  }
+  auto [o, lse] =
+      forward_op().call(q, k, v, plan.stage, causal, plan.scale, deterministic, seq_major);
   return {o, lse};
 }
 
