@@ -20,6 +20,7 @@
 
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <unordered_map>
@@ -397,6 +398,12 @@ class Attention : public torch::autograd::Function<Attention> {
     const at::Tensor none;
     if (!grads[0].defined()) return {none, none, none, none, none, none, none, none}; /* O unused */
     auto saved = ctx->get_saved_variables();
+    /* The backward operator's autograd kernel is the not-implemented fallback, a boxed trip
+     * through every argument. It matters only where the gradients would be differentiated
+     * again (create_graph=True, grad mode on here): there it makes that raise. Otherwise the
+     * CUDA kernel directly. */
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd;
+    if (!at::GradMode::is_enabled()) below_autograd.emplace();
     auto [dq, dk, dv] =
         op.call(grads[0], saved[0], saved[1], saved[2], saved[3], saved[4],
                 ctx->saved_data["stage"].toStringRef(), ctx->saved_data["causal"].toBool(),
@@ -440,10 +447,23 @@ constexpr size_t MaxPlans = 4096; /* a decode loop's growing caches: past it, st
 /* The call's booleans in one argument. From Python each argument of an operator costs host
  * time (its conversion), and planned_forward is on every layer's path; it serves the calls of
  * the default scale and stage, by far the most common (others keep their plans in Python). */
-enum PlannedCall { PlanCausal = 1, PlanGqa = 2, PlanSeqMajor = 4, PlanDeterministic = 8 };
+enum PlannedCall {
+  PlanCausal = 1,
+  PlanGqa = 2,
+  PlanSeqMajor = 4,
+  PlanDeterministic = 8,
+  PlanNoGrad = 16 /* flash_attn_with_kvcache's: no gradient is recorded, whatever the inputs */
+};
+
+/* Whether autograd will want this call's backward. */
+bool wants_grad(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, int64_t call) {
+  return !(call & PlanNoGrad) && at::GradMode::is_enabled() &&
+         (q.requires_grad() || k.requires_grad() || v.requires_grad());
+}
 
 /* The plan's key: each tensor's sizes, dtype and device, the flags the stage choice reads
- * (not PlanDeterministic: the backward's), and whether a gradient is wanted. */
+ * (not PlanDeterministic: the backward's; PlanNoGrad keeps the two entry points' plans
+ * apart), and whether a gradient is wanted. */
 std::string plan_key(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, int64_t call) {
   std::string key;
   key.reserve(256);
@@ -456,8 +476,8 @@ std::string plan_key(const at::Tensor &q, const at::Tensor &k, const at::Tensor 
     put(t->scalar_type());
     put(t->device());
   }
-  put(call & (PlanCausal | PlanGqa | PlanSeqMajor));
-  put(at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() || v.requires_grad()));
+  put(call & (PlanCausal | PlanGqa | PlanSeqMajor | PlanNoGrad));
+  put(wants_grad(q, k, v, call));
   return key;
 }
 
@@ -486,8 +506,7 @@ std::vector<at::Tensor> planned_forward(const at::Tensor &q, const at::Tensor &k
   /* Without a gradient to record, the CUDA kernel itself: the dispatcher would pass through
    * forward_autograd to it, two trips of host time. (A plan is only for plain CUDA tensors:
    * Python checked them, and the key holds their device.) */
-  if (!at::GradMode::is_enabled() ||
-      !(q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+  if (!wants_grad(q, k, v, call)) {
     auto [o, lse] = forward_cuda(q, k, v, plan.stage, causal, plan.scale, deterministic, seq_major);
     return {o, lse};
   }

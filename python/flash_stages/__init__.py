@@ -522,9 +522,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softmax_
     CPU tensor) is read on the host, split by the longest length, and copied to the device
     on each call: not capturable. Stage 11 reads q and the caches in place (through the C++
     operators; the Python ones copy them)."""
-    planned = None
+    planned, in_cpp = None, False
     if _OPERATORS and type(q) is type(k_cache) is type(v_cache) is torch.Tensor and \
             not torch.compiler.is_compiling():  # as in scaled_dot_product_attention
+        # Full caches, the default scale and stage: the plan is in C++, as flash_attn_func's
+        # (the forward of the same call; no lengths to read).
+        in_cpp = cache_seqlens is None and softmax_scale is None and stage is None
+        if in_cpp:
+            flags = (_PLAN_CAUSAL if causal else 0) | _PLAN_GQA | _PLAN_SEQ_MAJOR | _PLAN_NO_GRAD
+            try:
+                out = _planned_forward(q, k_cache, v_cache, flags)
+            except ValueError as e:  # the library's 2 or 77: what this device cannot run
+                raise FlashStagesError(str(e)) from None
+            if out:
+                return (out[0], out[1]) if return_softmax_lse else out[0]
         planned = ("flash_attn_with_kvcache", q.shape, k_cache.shape, v_cache.shape, q.dtype,
                    k_cache.dtype, v_cache.dtype, q.device, k_cache.device, v_cache.device,
                    causal, softmax_scale, stage)
@@ -566,6 +577,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softmax_
     if _OPERATORS:
         if planned is not None:
             _remember_plan(planned, scale, stage)
+        if in_cpp:
+            torch.ops.flash_stages.remember_plan(q, k_cache, v_cache, flags, stage, scale)
         return _kvcache_operator(q, k_cache, v_cache, (host_lens, device_lens), stage, causal,
                                  scale, return_softmax_lse)
     _check_environment()
@@ -783,7 +796,7 @@ _PYTHON_NAMESPACE = "flash_stages_python" if _OPERATORS else "flash_stages"
 _cpp_forward = torch.ops.flash_stages.forward.default if _OPERATORS else None
 # planned_forward as the callable the operator object wraps: its Python __call__ is a frame
 # more on every call. Its flags (PlannedCall in operators.cpp):
-_PLAN_CAUSAL, _PLAN_GQA, _PLAN_SEQ_MAJOR, _PLAN_DETERMINISTIC = 1, 2, 4, 8
+_PLAN_CAUSAL, _PLAN_GQA, _PLAN_SEQ_MAJOR, _PLAN_DETERMINISTIC, _PLAN_NO_GRAD = 1, 2, 4, 8, 16
 _planned_forward = getattr(torch.ops.flash_stages.planned_forward.default, "_op",
                            torch.ops.flash_stages.planned_forward.default) \
     if _OPERATORS else None

@@ -197,6 +197,28 @@ def test_kvcache_matches_flash_attn_func_on_full_caches():
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
+def test_full_cache_calls_take_their_plan():
+    """Without cache_seqlens (full caches) a repeated call takes its plan from C++, as
+    flash_attn_func's: the same stage and bits as the first call, no gradient recorded even
+    on inputs that want one, and a plan of its own, apart from flash_attn_func's on the same
+    tensors (which does record one)."""
+    case = (2, 8, 2, 1, 512, 128, True, 512)
+    q, k, v, _ = make(case, torch.float16)
+    first = fs.flash_attn_with_kvcache(q, k, v, causal=True)
+    stage = fs.last_call["stage"]
+    again = fs.flash_attn_with_kvcache(q, k, v, causal=True)
+    assert fs.last_call["stage"] == stage == "11_split_kv_decode" and torch.equal(first, again)
+    if fs._OPERATORS:  # flags: 1 causal, 2 gqa, 4 seq_major, 16 no gradient
+        planned = torch.ops.flash_stages.planned_forward(q, k, v, 1 | 2 | 4 | 16)
+        assert len(planned) == 2 and torch.equal(planned[0], first)
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    for _ in range(2):  # the first call plans, the second takes the plan
+        out = fs.flash_attn_with_kvcache(qg, kg, vg, causal=True)
+        assert not out.requires_grad and torch.equal(out, first)
+    recorded = fs.flash_attn_func(qg, kg, vg, causal=True)
+    assert recorded.requires_grad, "flash_attn_func's call took the no-gradient plan"
+
+
 @pytest.mark.parametrize("lens, match", [
     ([301, 5, 5], r"cache_seqlens 301 is outside 0\.\.300"),
     ([-1, 5, 5], r"cache_seqlens -1 is outside 0\.\.300"),

@@ -322,6 +322,22 @@ def test_repeated_calls_take_their_plan():
                 torch.autograd.grad(o.sum(), (qq, kk, vv))
 
 
+def test_second_derivative_raises():
+    """The stages have no double backward: the gradients of a create_graph=True backward
+    cannot be differentiated again, and saying so beats a silent zero. A plain backward
+    (create_graph=False, the training case) gives the same gradients as one that kept the
+    graph (to the rounding of dQ's atomic sums)."""
+    q, k, v, d_o = inputs((1, 2, 64, 64, 64, True), torch.float16)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    o = fs.scaled_dot_product_attention(q, k, v, is_causal=True)
+    plain = torch.autograd.grad(o, (q, k, v), d_o, retain_graph=True)
+    with pytest.raises(RuntimeError):
+        dq, dk, dv = torch.autograd.grad(o, (q, k, v), d_o, create_graph=True)
+        for got, want in zip((dq, dk, dv), plain):  # dQ's atomics: not bit for bit
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+        torch.autograd.grad(dq.float().sum(), q)
+
+
 def test_torch_compile_traces_without_graph_breaks():
     stage = fastest_half()
     q, k, v, d_o = inputs((2, 4, 256, 256, 64, True), torch.float16)
