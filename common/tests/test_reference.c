@@ -80,7 +80,15 @@ static void finite_differences(int nq, int nkv, int d, int causal, int batch, in
  * no key get dQ = 0, and with dO = 0 (loss = sum(w * LSE) only) dV is exactly 0. */
 static void invariants(int nq, int nkv, int causal) {
   int d = 8;
-  attn_problem p = {1, 2, nq, nkv, d, causal, 0.35f, DTYPE_FP32, 2, NULL, LAYOUT_BHND};
+  attn_problem p = {.batch = 1,
+                    .heads = 2,
+                    .seq_q = nq,
+                    .seq_kv = nkv,
+                    .head_dim = d,
+                    .causal = causal,
+                    .scale = 0.35f,
+                    .dtype = DTYPE_FP32,
+                    .heads_kv = 2};
   attn_rng rng;
   attn_rng_seed(&rng, 7u + (unsigned)causal);
   size_t nqe = attn_q_elems(&p), nkve = attn_kv_elems(&p), rows = attn_lse_elems(&p);
@@ -111,7 +119,16 @@ static void invariants(int nq, int nkv, int causal) {
 static void cache_lengths(int causal) {
   enum { B = 3, H = 4, HKV = 2, NQ = 3, NKV = 7, D = 8 };
   const int lens[B] = {7, 2, 0}; /* full, shorter than Nq (causal: rows that see no key), empty */
-  attn_problem p = {B, H, NQ, NKV, D, causal, 0.3f, DTYPE_FP32, HKV, lens, LAYOUT_BHND};
+  attn_problem p = {.batch = B,
+                    .heads = H,
+                    .seq_q = NQ,
+                    .seq_kv = NKV,
+                    .head_dim = D,
+                    .causal = causal,
+                    .scale = 0.3f,
+                    .dtype = DTYPE_FP32,
+                    .heads_kv = HKV,
+                    .cache_lens = lens};
   attn_rng rng;
   attn_rng_seed(&rng, 11u + (unsigned)causal);
   size_t nqe = attn_q_elems(&p), nkve = attn_kv_elems(&p), rows = attn_lse_elems(&p);
@@ -124,7 +141,15 @@ static void cache_lengths(int causal) {
   for (int b = 0; b < B; b++) {
     /* Sequence b alone, its cache cut to L_b keys (an empty cache: one key no row sees). */
     int len = lens[b] > 0 ? lens[b] : 1;
-    attn_problem one = {1, H, NQ, len, D, causal, 0.3f, DTYPE_FP32, HKV, NULL, LAYOUT_BHND};
+    attn_problem one = {.batch = 1,
+                        .heads = H,
+                        .seq_q = NQ,
+                        .seq_kv = len,
+                        .head_dim = D,
+                        .causal = causal,
+                        .scale = 0.3f,
+                        .dtype = DTYPE_FP32,
+                        .heads_kv = HKV};
     int none = 0, *one_lens = lens[b] > 0 ? NULL : &none;
     one.cache_lens = one_lens;
     double *k1 = malloc(sizeof(double) * HKV * len * D),
