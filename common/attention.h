@@ -203,14 +203,6 @@ static inline void attn_key_range(const attn_problem *p, long b, int i, int *lo,
   *lo = (int)(base + first);
   *hi = (int)(base + end);
 }
-/* Keys visible to query row i of sequence b: [0, attn_visible_keys(p, b, i)). Key j is visible
- * iff j < L_b and, causal, j <= i + L_b - Nq (bottom-right alignment against the cache). */
-static inline int attn_visible_keys(const attn_problem *p, long b, int i) {
-  int len = attn_cache_len(p, b);
-  if (!p->causal) return len;
-  long n = (long)i + len - p->seq_q + 1;
-  return n < 0 ? 0 : (n > len ? len : (int)n);
-}
 double attn_forward_flops(const attn_problem *p);
 double attn_backward_flops(const attn_problem *p);
 size_t attn_dtype_size(attn_dtype t);
