@@ -29,6 +29,11 @@ set(ATTN_BATCH_HEADS 1,1 2,3 4,9)
 # Logits of magnitude 1e3 and more: a softmax scale of 100 (instead of 1/8 at d = 64) makes
 # max|S| about 3000 on unit-normal inputs; --inputs large-q reaches about 1e3 with Q scaled up.
 set(ATTN_LARGE_LOGIT_SCALE 100)
+# The stages that prove a stage without the sliding window, the softcap and varlen refuses
+# each (they come in 13_window_softcap_varlen): one CPU stage and one GPU stage, since the
+# refusal is one code path in common/runner.c whatever the stage, and the descriptor fields
+# that say "no" are the zeros every stage's designated initialiser leaves.
+set(ATTN_WINDOW_REFUSAL_STAGES 00_naive 09_swizzle_pipeline)
 # A TSV file of another table (another first line), which --tsv must refuse to append to.
 set(ATTN_OTHER_TABLE ${CMAKE_BINARY_DIR}/other_table.tsv)
 file(WRITE ${ATTN_OTHER_TABLE} "name\tvalue\nx\t1\n")
@@ -555,6 +560,17 @@ function(attention_stage name source)
   if(NOT ARG_CACHE_LENS)
     attn_expect(${name} bad.cache_lens ${kind} 2
                 "--cache-lens is not supported by this stage: .* comes in 11_" --cache-lens random)
+  endif()
+  if(name IN_LIST ATTN_WINDOW_REFUSAL_STAGES)
+    attn_expect(${name} bad.window ${kind} 2
+                "--window is not supported by this stage: .* comes in 13_window_softcap_varlen"
+                --window 8,0)
+    attn_expect(${name} bad.softcap ${kind} 2
+                "--softcap is not supported by this stage: .* comes in 13_window_softcap_varlen"
+                --softcap 30)
+    attn_expect(${name} bad.seqlens ${kind} 2
+                "--seqlens is not supported by this stage: .* come in 13_window_softcap_varlen"
+                --seqlens 100,0,28)
   endif()
   # [B, N, H, d] in place: where the stage has it, cases of its own (in the dtype and mask loop
   # above: every dtype, mask and head dim; several sequences and heads, so that the batch, head and row strides all differ from

@@ -8,13 +8,24 @@ file(REMOVE_RECURSE ${WORK_DIR})
 file(MAKE_DIRECTORY ${WORK_DIR})
 
 # The two commands. In reload mode the sizes come from the files, and whether to run the
-# backward from the options.
+# backward from the options; so do the options that shape the problem but are not saved (the
+# mask, the window, the softcap, the varlen lengths), each with its value where it takes one.
 set(first ${args} --save ${WORK_DIR}/a)
 if(MODE STREQUAL "reload")
   set(second --load ${WORK_DIR}/a --save ${WORK_DIR}/b --check)
-  if("--backward" IN_LIST args)
-    list(APPEND second --backward)
-  endif()
+  foreach(flag --backward --causal)
+    if(flag IN_LIST args)
+      list(APPEND second ${flag})
+    endif()
+  endforeach()
+  foreach(option --window --softcap --seqlens --seqlens-kv)
+    list(FIND args ${option} at)
+    if(at GREATER -1)
+      math(EXPR at "${at} + 1")
+      list(GET args ${at} value)
+      list(APPEND second ${option} ${value})
+    endif()
+  endforeach()
 else()
   set(second ${args} --save ${WORK_DIR}/b)
 endif()

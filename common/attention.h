@@ -49,6 +49,17 @@ typedef struct {
                           * device copy alone (NULL here): the stage then plans as for L_b =
                           * Nkv, and its kernels read the lengths */
   attn_layout layout;    /* of Q, K, V, O and the gradients (LAYOUT_BHND = 0: as before) */
+  /* Added in 13_window_softcap_varlen; zero values: as before. */
+  int windowed;                  /* 1: window_left and window_right bound the visible keys */
+  int window_left, window_right; /* see attn_key_range; -1: unbounded on that side */
+  float softcap;                 /* c > 0: S = c tanh(scale q.k / c), before masking; 0: none */
+  /* Varlen: the sequences packed end to end in one batch (B = 1), seq_q and seq_kv the total
+   * rows; sequence s holds query rows cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1 and key rows
+   * likewise, offsets from 0 (equal ones: a sequence of length 0). */
+  int seqs;                       /* varlen: the packed sequences (batch is then 1); 0: none */
+  int max_seqlen_q, max_seqlen_k; /* varlen: the longest sequence's rows, to plan grids from */
+  const int *cu_seqlens_q, *cu_seqlens_k; /* varlen: seqs + 1 host offsets, or NULL for a
+                                           * library caller that gives only the device copies */
 } attn_problem;
 
 /* The buffers a stage reads and writes, all owned by the harness. On a GPU stage they are
@@ -66,6 +77,9 @@ typedef struct {
    * attn_problem.cache_lens). Keys past L_b hold NaN: a stage that reads one into a result
    * fails the check. */
   const int *cache_lens;
+  /* p->cu_seqlens_q and p->cu_seqlens_k where the stage runs (seqs + 1 ints each, uploaded
+   * before any pass is timed, like cache_lens), or NULL without varlen. */
+  const int *cu_seqlens_q, *cu_seqlens_k;
 } attn_buffers;
 
 typedef size_t (*attn_workspace_fn)(const attn_problem *p);
@@ -90,6 +104,8 @@ typedef struct {
   int has_cache_lens; /* 0: --cache-lens is rejected (the KV cache comes in 11_split_kv_decode) */
   int has_gqa_backward; /* 0: --backward with GQA is rejected (it comes in 12_hopper_backward) */
   int has_layouts;      /* 0: --layout bshd is rejected (it comes in 09_swizzle_pipeline) */
+  /* 0: --window, --softcap, --seqlens are rejected (they come in 13_window_softcap_varlen) */
+  int has_window, has_softcap, has_varlen;
 } attn_stage;
 
 int attention_main(const attn_stage *stage, int argc, char **argv);
@@ -147,13 +163,45 @@ static inline attn_strides attn_kv_strides(const attn_problem *p) {
 static inline int attn_cache_len(const attn_problem *p, long b) {
   return p->cache_lens ? p->cache_lens[b] : p->seq_kv;
 }
-/* Keys visible to query row i of sequence b: [0, attn_visible_keys(p, b, i)). Key j is visible
- * iff j < L_b and, causal, j <= i + L_b - Nq (bottom-right alignment against the cache). */
-static inline int attn_visible_keys(const attn_problem *p, long b, int i) {
-  int len = attn_cache_len(p, b);
-  if (!p->causal) return len;
-  long n = (long)i + len - p->seq_q + 1;
-  return n < 0 ? 0 : (n > len ? len : (int)n);
+/* The sequence of a varlen problem that packed query row i belongs to: the s with
+ * cu_seqlens_q[s] <= i < cu_seqlens_q[s + 1] (host offsets). Binary search for the last
+ * offset <= i, so that zero-length sequences (equal offsets) are stepped over. */
+static inline int attn_varlen_sequence(const attn_problem *p, int i) {
+  int lo = 0, hi = p->seqs; /* cu_seqlens_q[lo] <= i < cu_seqlens_q[hi] */
+  while (hi - lo > 1) {
+    int mid = lo + (hi - lo) / 2;
+    if (p->cu_seqlens_q[mid] <= i)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+/* Keys [*lo, *hi) visible to query row i (0-based in the problem's rows: for varlen the packed
+ * row) of batch b; *lo == *hi when the row sees none. Every mask is bottom-right aligned in
+ * the query's own sequence of Nq queries and Nkv keys (Nkv: L_b with cache lengths; the
+ * sequence's own lengths with varlen, its keys returned as packed indices), diag = i + Nkv - Nq:
+ * key j is visible iff 0 <= j < Nkv and, causal, j <= diag and, windowed, diag - left <= j <=
+ * diag + right (a side of -1 unbounded). Varlen reads the host offsets p->cu_seqlens_q and _k. */
+static inline void attn_key_range(const attn_problem *p, long b, int i, int *lo, int *hi) {
+  long base = 0, nq = p->seq_q, nkv = attn_cache_len(p, b), row = i;
+  if (p->seqs > 0) {
+    int s = attn_varlen_sequence(p, i);
+    row = i - p->cu_seqlens_q[s];
+    nq = p->cu_seqlens_q[s + 1] - p->cu_seqlens_q[s];
+    base = p->cu_seqlens_k[s];
+    nkv = p->cu_seqlens_k[s + 1] - base;
+  }
+  /* In long: diag - left and diag + right + 1 of int operands can leave int's range. */
+  long diag = row + nkv - nq, first = 0, end = nkv;
+  if (p->causal && diag + 1 < end) end = diag + 1;
+  if (p->windowed && p->window_left >= 0 && diag - p->window_left > first)
+    first = diag - p->window_left;
+  if (p->windowed && p->window_right >= 0 && diag + p->window_right + 1 < end)
+    end = diag + p->window_right + 1;
+  if (end < first) end = first; /* first <= diag < Nkv, as row < Nq: the range stays in [0, Nkv] */
+  *lo = (int)(base + first);
+  *hi = (int)(base + end);
 }
 double attn_forward_flops(const attn_problem *p);
 double attn_backward_flops(const attn_problem *p);

@@ -22,21 +22,30 @@ static float round_unbounded(float x, attn_dtype t) {
   return ldexpf(attn_round_to_dtype(ldexpf(x, -shift), t), shift);
 }
 
-/* p_row[j] = softmax of the logits row i of sequence b sees, rounded to the dtype; returns the
- * count of visible keys and sets *lse (-inf when none). */
+/* p_row[j - lo] = softmax of the logits of the keys [lo, hi) that row i of batch b sees, rounded
+ * to the dtype (t_row[j - lo] the softcap's tanh of each, where t_row is not NULL); returns their
+ * count and sets *lo and *lse (-inf when none). With a softcap c the logit is c tanhf(x / c) of
+ * the fp32 x = scale q . k, as a kernel would form it. */
 static int baseline_probabilities(const attn_problem *p, const float *q_row, const float *K, long b,
-                                  int i, float *p_row, float *lse) {
-  int d = p->head_dim, visible = attn_visible_keys(p, b, i);
+                                  int i, int *lo, float *p_row, float *t_row, float *lse) {
+  int d = p->head_dim, hi;
+  attn_key_range(p, b, i, lo, &hi);
+  int visible = hi - *lo;
   float m = -INFINITY, l = 0.f;
   for (int j = 0; j < visible; j++) {
+    const float *k_row = K + (size_t)(*lo + j) * d;
     float dot = 0.f;
-    for (int c = 0; c < d; c++) dot += q_row[c] * K[(size_t)j * d + c];
+    for (int c = 0; c < d; c++) dot += q_row[c] * k_row[c];
     p_row[j] = p->scale * dot;
+    if (p->softcap > 0) {
+      float t = tanhf(p_row[j] / p->softcap);
+      p_row[j] = p->softcap * t;
+      if (t_row) t_row[j] = t;
+    }
     m = p_row[j] > m ? p_row[j] : m;
   }
   for (int j = 0; j < visible; j++) l += (p_row[j] = expf(p_row[j] - m));
   for (int j = 0; j < visible; j++) p_row[j] = attn_round_to_dtype(p_row[j] / l, p->dtype);
-  for (int j = visible; j < p->seq_kv; j++) p_row[j] = 0.f;
   *lse = visible ? m + logf(l) : -INFINITY;
   return visible;
 }
@@ -50,10 +59,11 @@ void baseline_forward_rows(const attn_problem *p, const float *q, const float *k
     long r = rows ? rows[n] : n, bh = r / p->seq_q;
     int i = (int)(r % p->seq_q);
     const float *K = k + attn_kv_head(p, bh), *V = v + attn_kv_head(p, bh);
-    int visible = baseline_probabilities(p, q + (size_t)r * d, K, bh / p->heads, i, P, &lse[n]);
+    int lo, visible = baseline_probabilities(p, q + (size_t)r * d, K, bh / p->heads, i, &lo, P,
+                                             NULL, &lse[n]);
     memset(acc, 0, sizeof(float) * (size_t)d);
     for (int j = 0; j < visible; j++)
-      for (int c = 0; c < d; c++) acc[c] += P[j] * V[(size_t)j * d + c];
+      for (int c = 0; c < d; c++) acc[c] += P[j] * V[(size_t)(lo + j) * d + c];
     for (int c = 0; c < d; c++) o[(size_t)n * d + c] = attn_round_to_dtype(acc[c], p->dtype);
   }
   free(P), free(acc);
@@ -64,6 +74,7 @@ void baseline_backward(const attn_problem *p, const float *q, const float *k, co
   int d = p->head_dim, nq = p->seq_q, nkv = p->seq_kv;
   float *P = attn_host_alloc(sizeof(float) * (size_t)nkv, "baseline P");
   float *dP = attn_host_alloc(sizeof(float) * (size_t)nkv, "baseline dP");
+  float *T = attn_host_alloc(sizeof(float) * (size_t)nkv, "baseline tanh");
   float *dq_row = attn_host_alloc(sizeof(float) * (size_t)d, "baseline dQ row");
   /* dK and dV in fp32 until the end: under grouped-query attention the G query heads of a group
    * add into one K/V head's rows, which are rounded once, as a GQA kernel would. */
@@ -78,23 +89,28 @@ void baseline_backward(const attn_problem *p, const float *q, const float *k, co
       const float *Q_i = q + attn_q_head(p, bh) + (size_t)i * d;
       const float *dO_i = d_o + attn_q_head(p, bh) + (size_t)i * d;
       float lse, row_dot = 0.f; /* D_i = rowsum(dO_i * O_i), from O as the dtype stores it */
-      int visible = baseline_probabilities(p, Q_i, K, bh / p->heads, i, P, &lse);
+      int lo, visible = baseline_probabilities(p, Q_i, K, bh / p->heads, i, &lo, P, T, &lse);
+      const float *K_lo = K + (size_t)lo * d, *V_lo = V + (size_t)lo * d;
+      float *dK_lo = dK + (size_t)lo * d, *dV_lo = dV + (size_t)lo * d;
       memset(dq_row, 0, sizeof(float) * (size_t)d);
       for (int j = 0; j < visible; j++)
-        for (int c = 0; c < d; c++) dq_row[c] += P[j] * V[(size_t)j * d + c];
+        for (int c = 0; c < d; c++) dq_row[c] += P[j] * V_lo[(size_t)j * d + c];
       for (int c = 0; c < d; c++) row_dot += dO_i[c] * attn_round_to_dtype(dq_row[c], p->dtype);
       for (int j = 0; j < visible; j++) {
         float dot = 0.f;
-        for (int c = 0; c < d; c++) dot += dO_i[c] * V[(size_t)j * d + c];
+        for (int c = 0; c < d; c++) dot += dO_i[c] * V_lo[(size_t)j * d + c];
         dP[j] = dot;
       }
       memset(dq_row, 0, sizeof(float) * (size_t)d);
       for (int j = 0; j < visible; j++) {
-        float dS = round_unbounded(P[j] * (dP[j] - row_dot), p->dtype);
+        /* The softcap's 1 - tanh^2 in fp32, before dS is rounded for its products. */
+        float dS = P[j] * (dP[j] - row_dot);
+        if (p->softcap > 0) dS *= 1.f - T[j] * T[j];
+        dS = round_unbounded(dS, p->dtype);
         for (int c = 0; c < d; c++) {
-          dV[(size_t)j * d + c] += P[j] * dO_i[c];
-          dq_row[c] += dS * K[(size_t)j * d + c];
-          dK[(size_t)j * d + c] += dS * Q_i[c];
+          dV_lo[(size_t)j * d + c] += P[j] * dO_i[c];
+          dq_row[c] += dS * K_lo[(size_t)j * d + c];
+          dK_lo[(size_t)j * d + c] += dS * Q_i[c];
         }
       }
       float *dQ_i = dq + attn_q_head(p, bh) + (size_t)i * d;
@@ -105,5 +121,5 @@ void baseline_backward(const attn_problem *p, const float *q, const float *k, co
     dk[e] = attn_round_to_dtype(p->scale * dk_acc[e], p->dtype);
     dv[e] = attn_round_to_dtype(dv_acc[e], p->dtype);
   }
-  free(P), free(dP), free(dq_row), free(dk_acc), free(dv_acc);
+  free(P), free(dP), free(T), free(dq_row), free(dk_acc), free(dv_acc);
 }

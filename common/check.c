@@ -127,8 +127,9 @@ static int all_finite(const char *what, const float *x, size_t n, int d) {
 static int lse_well_formed(const attn_check_inputs *in, const float *lse) {
   const attn_problem *p = in->p;
   for (size_t r = 0; r < attn_lse_elems(p); r++) {
-    int i = (int)(r % (size_t)p->seq_q);
-    int empty = attn_visible_keys(p, (long)(r / ((size_t)p->heads * p->seq_q)), i) == 0;
+    int i = (int)(r % (size_t)p->seq_q), lo, hi;
+    attn_key_range(p, (long)(r / ((size_t)p->heads * p->seq_q)), i, &lo, &hi);
+    int empty = lo == hi;
     int fine = empty ? (isinf(lse[r]) && lse[r] < 0) : isfinite(lse[r]);
     if (fine) continue;
     fprintf(stderr, "%s: LSE: mismatch: row %zu is %g, expected %s%s\n", attn_program_name, r,
@@ -139,6 +140,14 @@ static int lse_well_formed(const attn_check_inputs *in, const float *lse) {
   return 1;
 }
 
+/* The multiply-adds of one of the forward's two products: B H Nq Nkv d, or with a window or
+ * varlen d times the visible pairs, which can be orders of magnitude fewer (a packed batch of
+ * short sequences), so that such a problem is sampled and refused by its real size. */
+static double product_macs(const attn_problem *p) {
+  if (p->windowed || p->seqs > 0) return attn_forward_flops(p) / 4; /* 2 products of 2 flops */
+  return (double)p->batch * p->heads * p->seq_q * p->seq_kv * p->head_dim;
+}
+
 /* The rows to check: all of them, or, on a large problem, a random sample spread over every
  * (batch, head) pair, at least MIN_SAMPLED_ROWS in all: each pair's rows cut into per_head
  * equal runs and one row drawn from each, uniformly (the first run gives row 0 and the last
@@ -147,9 +156,8 @@ static int lse_well_formed(const attn_check_inputs *in, const float *lse) {
  * rows reach any position over seeds; drawn from the run's seed, so a failing sample repeats. */
 static long *choose_rows(const attn_problem *p, uint64_t seed, long *n_rows) {
   long heads = (long)p->batch * p->heads, nq = p->seq_q;
-  double macs = (double)heads * nq * p->seq_kv * p->head_dim;
   long per_head = nq;
-  if (macs > FULL_CHECK_MAX_MACS) {
+  if (product_macs(p) > FULL_CHECK_MAX_MACS) {
     per_head = (MIN_SAMPLED_ROWS + heads - 1) / heads;
     if (per_head < 2) per_head = 2;
     if (per_head > nq) per_head = nq;
@@ -192,18 +200,25 @@ static long *choose_rows(const attn_problem *p, uint64_t seed, long *n_rows) {
 #define O_REL_FP32 2e-6
 
 static double row_conditioning_bound(const attn_problem *p, const double *q_row,
-                                     const double *k_head, const double *v_head, int visible,
+                                     const double *k_keys, const double *v_keys, int visible,
                                      const double *o_row, double *s, double *e) {
   int d = p->head_dim, t = 0;
   if (visible == 0) return 0;
   for (int j = 0; j < visible; j++) {
     double dot = 0, abs_dot = 0;
     for (int c = 0; c < d; c++) {
-      double x = q_row[c] * k_head[(size_t)j * d + c];
+      double x = q_row[c] * k_keys[(size_t)j * d + c];
       dot += x, abs_dot += fabs(x);
     }
     s[j] = p->scale * dot;
-    e[j] = fabs(p->scale) * abs_dot + fabs(s[j]);
+    /* A softcap c passes the dot product's error on times its slope, 1 - tanh^2 <= 1, and
+     * rounds once more in c tanh (an ulp of |S_j|, which the term below holds). */
+    double slope = 1;
+    if (p->softcap > 0) {
+      double th = tanh(s[j] / p->softcap);
+      s[j] = p->softcap * th, slope = 1 - th * th;
+    }
+    e[j] = slope * fabs(p->scale) * abs_dot + fabs(s[j]);
     if (s[j] > s[t]) t = j;
   }
   for (int j = 0; j < visible; j++) e[j] = EPS_LOGIT * (e[j] + fabs(s[t]));
@@ -224,7 +239,7 @@ static double row_conditioning_bound(const attn_problem *p, const double *q_row,
     double dp = fmax(hi - pj, pj - lo);
     if (!(dp > 0)) continue;
     double spread = 0;
-    for (int c = 0; c < d; c++) spread = fmax(spread, fabs(v_head[(size_t)j * d + c] - o_row[c]));
+    for (int c = 0; c < d; c++) spread = fmax(spread, fabs(v_keys[(size_t)j * d + c] - o_row[c]));
     bound += dp * spread;
   }
   return bound;
@@ -246,10 +261,12 @@ static double row_tolerance(tol_context *c, long n) {
   const attn_problem *p = c->p;
   if (p->dtype != DTYPE_FP32) return c->row_tol[n] = c->o_tol;
   long r = c->rows[n], bh = r / p->seq_q;
-  int d = p->head_dim, visible = attn_visible_keys(p, bh / p->heads, (int)(r % p->seq_q));
-  double bound = row_conditioning_bound(p, c->q + (size_t)r * d, c->k + attn_kv_head(p, bh),
-                                        c->v + attn_kv_head(p, bh), visible,
-                                        c->o_ref + (size_t)n * d, c->work, c->work + p->seq_kv);
+  int d = p->head_dim, lo, hi;
+  attn_key_range(p, bh / p->heads, (int)(r % p->seq_q), &lo, &hi);
+  size_t first = attn_kv_head(p, bh) + (size_t)lo * d; /* the row's first visible key */
+  double bound =
+      row_conditioning_bound(p, c->q + (size_t)r * d, c->k + first, c->v + first, hi - lo,
+                             c->o_ref + (size_t)n * d, c->work, c->work + p->seq_kv);
   return c->row_tol[n] = fmin(c->o_tol, c->floor + bound);
 }
 
@@ -325,17 +342,20 @@ void attn_check_forward(const attn_check_inputs *in, const float *o, const float
   int has_closed_form = v_is_constant || q_is_zero || p->seq_kv == 1;
   for (long n = 0; has_closed_form && n < n_rows; n++) {
     long r = rows[n], bh = r / p->seq_q;
-    int visible = attn_visible_keys(p, bh / p->heads, (int)(r % p->seq_q));
-    if (visible == 0) continue;
-    const double *v_head = v + attn_kv_head(p, bh);
+    int lo, hi;
+    attn_key_range(p, bh / p->heads, (int)(r % p->seq_q), &lo, &hi);
+    if (lo == hi) continue;
+    /* The row's visible keys: every V row the same, or one key, O is that row; Q = 0, every
+     * logit is 0 (softcap or not) and O is their mean. */
+    const double *v_keys = v + attn_kv_head(p, bh) + (size_t)lo * d;
     max_error row = {0, -1, 0, 0};
     for (int c = 0; c < d; c++) {
       double want = 0;
       if (v_is_constant || p->seq_kv == 1) {
-        want = v_head[c];
+        want = v_keys[c];
       } else {
-        for (int j = 0; j < visible; j++) want += v_head[(size_t)j * d + c];
-        want /= visible;
+        for (int j = 0; j < hi - lo; j++) want += v_keys[(size_t)j * d + c];
+        want /= hi - lo;
       }
       track(&row, r * d + c, o[r * d + c], want);
     }
@@ -381,7 +401,7 @@ void attn_check_backward(const attn_check_inputs *in, const float *o, const floa
   const attn_problem *p = in->p;
   (void)o, (void)lse;
   verdict[0] = 0;
-  double macs = 3.0 * p->batch * p->heads * (double)p->seq_q * p->seq_kv * p->head_dim;
+  double macs = 3.0 * product_macs(p);
   if (macs > 4 * FULL_CHECK_MAX_MACS)
     attn_fail(EXIT_BAD_USAGE,
               "the problem is too large for the float64 backward reference (%.1e multiply-adds, "

@@ -26,10 +26,26 @@ double attn_rng_normal(attn_rng *r) {
   return sqrt(-2.0 * log(u1)) * cos(two_pi * u2);
 }
 
+/* The (query, key) pairs one head computes, summed over its rows' visible ranges. */
+static double visible_pairs_per_head(const attn_problem *p) {
+  double pairs = 0;
+  for (long b = 0; b < p->batch; b++)
+    for (int i = 0; i < p->seq_q; i++) {
+      int lo, hi;
+      attn_key_range(p, b, i, &lo, &hi);
+      pairs += hi - lo;
+    }
+  return pairs;
+}
+
 /* FlashAttention's convention: 2 matmuls of 2*Nq*Nkv*d each, halved when causal (Nq = Nkv).
  * With cache lengths each sequence counts its own L_b keys instead of Nkv (and no halving:
- * decode has Nq far below L_b, where the causal mask removes almost nothing). */
+ * decode has Nq far below L_b, where the causal mask removes almost nothing). With a window
+ * or varlen the visible pairs are counted exactly: a dense count would credit a stage with
+ * work no one asked of it (packed sequences of 1k keys in a 1M-row batch, a 256-key window
+ * over 32k keys), and no halving rule fits a band. */
 double attn_forward_flops(const attn_problem *p) {
+  if (p->windowed || p->seqs > 0) return 4.0 * p->heads * p->head_dim * visible_pairs_per_head(p);
   if (p->cache_lens) {
     double keys = 0;
     for (int b = 0; b < p->batch; b++) keys += p->cache_lens[b];

@@ -44,8 +44,10 @@ typedef struct {
   attn_problem p;
   int given_batch, given_heads, given_heads_kv, given_seq_q, given_seq_kv, given_dim, given_scale;
   int given_check, given_input_scale;
-  const char *cache_lens_text; /* --cache-lens, parsed once B and Nkv are known */
-  int *cache_lens;             /* what p.cache_lens points to */
+  const char *cache_lens_text;                /* --cache-lens, parsed once B and Nkv are known */
+  int *cache_lens;                            /* what p.cache_lens points to */
+  const char *seqlens_text, *seqlens_kv_text; /* --seqlens, --seqlens-kv */
+  int *cu_seqlens_q, *cu_seqlens_k;           /* what p.cu_seqlens_q and _k point to */
   uint64_t seed;
   int check, bench, backward, check_finite;
   const char *load_dir, *save_dir, *tsv_path;
@@ -76,6 +78,17 @@ static void usage(const attn_stage *s) {
       "      --layout L     bhnd (default): Q, K, V, O and the gradients [B, H, N, d] in the\n"
       "                     stage's memory | bshd: [B, N, H, d], FlashAttention's order, read\n"
       "                     in place (from stage 09_swizzle_pipeline; .npy files stay bhnd)\n"
+      "      --window L,R   sliding window: query i sees key j iff diag - L <= j <= diag + R,\n"
+      "                     diag = i + Nkv - Nq; -1 leaves a side unbounded (with --causal the\n"
+      "                     causal bound holds too) (from stage 13_window_softcap_varlen)\n"
+      "      --softcap C    logit softcap, C > 0: S = C tanh(scale q.k / C), before masking\n"
+      "                     (from stage 13_window_softcap_varlen)\n"
+      "      --seqlens N0,N1,..  varlen: sequences of these query lengths (0 allowed) packed\n"
+      "                     end to end in one batch, B = 1 and Nq their total; each query sees\n"
+      "                     only its own sequence's keys, masks aligned per sequence (from\n"
+      "                     stage 13_window_softcap_varlen; not with -b, -n, --seq-q, --seq-kv)\n"
+      "      --seqlens-kv M0,M1,..  varlen: the sequences' key lengths, as many (default:\n"
+      "                     --seqlens); Nkv is their total\n"
       "      --check        compare with the float64 reference, exit 1 on a mismatch\n"
       "                     (on by default unless --bench or --check-finite is given)\n"
       "      --check-finite only check that every output is finite, LSE -inf exactly on\n"
@@ -100,7 +113,8 @@ static void usage(const attn_stage *s) {
 }
 
 /* One machine-readable line for the scripts: name, kind, head dims, dtypes, causal,
- * backward, idea, grouped-query attention, cache lengths, layouts (tab-separated). */
+ * backward, idea, grouped-query attention, cache lengths, layouts, window, softcap, varlen
+ * (tab-separated). */
 static void describe(const attn_stage *s) {
   printf("%s\t%s\t", s->name, s->device->kind);
   for (int i = 0; i < 8 && s->head_dims[i]; i++) printf(i ? ",%d" : "%d", s->head_dims[i]);
@@ -109,8 +123,9 @@ static void describe(const attn_stage *s) {
   const char *sep = "\t";
   for (int t = DTYPE_FP32; t <= DTYPE_BF16; t++)
     if (dtypes & DTYPE_BIT(t)) printf("%s%s", sep, attn_dtype_name((attn_dtype)t)), sep = ",";
-  printf("\t%d\t%d\t%s\t%d\t%d\t%d\n", s->has_causal, s->backward != NULL, s->idea, s->has_gqa,
-         s->has_cache_lens, s->has_layouts);
+  printf("\t%d\t%d\t%s\t%d\t%d\t%d\t%d\t%d\t%d\n", s->has_causal, s->backward != NULL, s->idea,
+         s->has_gqa, s->has_cache_lens, s->has_layouts, s->has_window, s->has_softcap,
+         s->has_varlen);
 }
 
 static long parse_int(const char *opt, const char *text) {
@@ -129,6 +144,27 @@ static double parse_real(const char *opt, const char *text) {
   if (errno || end == text || *end || !isfinite(v))
     attn_fail(EXIT_BAD_USAGE, "%s must be a finite number, got '%s'", opt, text);
   return v;
+}
+
+/* --window LEFT,RIGHT: two integers, each -1 (that side unbounded) or 0..MAX_SIZE (a window
+ * wider than any sequence is unbounded already, and the bound keeps a kernel's diag + right
+ * inside int). */
+static void parse_window(attn_problem *p, const char *text) {
+  long side[2];
+  const char *c = text;
+  for (int k = 0; k < 2; k++) {
+    char *end;
+    errno = 0;
+    side[k] = strtol(c, &end, 10);
+    int ends_right = k == 0 ? *end == ',' : *end == 0;
+    if (errno || end == c || !ends_right || side[k] < -1 || side[k] > MAX_SIZE)
+      attn_fail(EXIT_BAD_USAGE,
+                "--window must be LEFT,RIGHT, each -1 (unbounded) or an integer in 0..%d, got "
+                "'%s'",
+                MAX_SIZE, text);
+    c = end + 1;
+  }
+  p->windowed = 1, p->window_left = (int)side[0], p->window_right = (int)side[1];
 }
 
 /* Option codes of the options that have no one-letter name. */
@@ -151,6 +187,10 @@ enum {
   OPT_HEADS_KV,
   OPT_CACHE_LENS,
   OPT_LAYOUT,
+  OPT_WINDOW,
+  OPT_SOFTCAP,
+  OPT_SEQLENS,
+  OPT_SEQLENS_KV,
 };
 
 static const struct option long_options[] = {
@@ -169,6 +209,10 @@ static const struct option long_options[] = {
     {"dtype", required_argument, NULL, OPT_DTYPE},
     {"cache-lens", required_argument, NULL, OPT_CACHE_LENS},
     {"layout", required_argument, NULL, OPT_LAYOUT},
+    {"window", required_argument, NULL, OPT_WINDOW},
+    {"softcap", required_argument, NULL, OPT_SOFTCAP},
+    {"seqlens", required_argument, NULL, OPT_SEQLENS},
+    {"seqlens-kv", required_argument, NULL, OPT_SEQLENS_KV},
     {"check", no_argument, NULL, OPT_CHECK},
     {"check-finite", no_argument, NULL, OPT_CHECK_FINITE},
     {"bench", no_argument, NULL, OPT_BENCH},
@@ -221,6 +265,74 @@ static void refuse_option(int code, char **argv) {
   attn_fail(EXIT_BAD_USAGE, "unknown option '-%c' (see --help)", optopt);
 }
 
+/* What the options cannot mean together, each refused in one line. */
+static void check_option_combinations(const options *o, int seq_given) {
+  const attn_problem *p = &o->p;
+  if (o->seqlens_kv_text && !o->seqlens_text)
+    attn_fail(EXIT_BAD_USAGE, "--seqlens-kv needs --seqlens: the queries' lengths come first");
+  if (o->seqlens_text && o->given_batch)
+    attn_fail(EXIT_BAD_USAGE,
+              "--batch cannot be given with --seqlens: varlen packs its sequences into one "
+              "batch (B = 1)");
+  if (o->seqlens_text && (seq_given || o->given_seq_q || o->given_seq_kv))
+    attn_fail(EXIT_BAD_USAGE,
+              "--seq, --seq-q and --seq-kv cannot be given with --seqlens: Nq and Nkv are the "
+              "totals of --seqlens and --seqlens-kv");
+  if (o->cache_lens_text && (p->windowed || p->softcap > 0 || o->seqlens_text))
+    attn_fail(EXIT_BAD_USAGE,
+              "--cache-lens cannot be combined with --window, --softcap or --seqlens: no stage "
+              "decodes against a KV cache with them");
+}
+
+/* A comma-separated list of non-negative lengths, at most MAX_SIZE in all; returns it (n of
+ * them) as seqs + 1 offsets from 0, and sets *n, *longest. */
+static int *parse_offsets(const char *opt, const char *text, int *n, int *longest) {
+  int count = 1;
+  for (const char *c = text; *c; c++) count += *c == ',';
+  int *offsets = attn_host_alloc(sizeof(int) * ((size_t)count + 1), opt);
+  long total = 0;
+  const char *c = text;
+  offsets[0] = 0, *longest = 0;
+  for (int s = 0; s < count; s++) {
+    char *end;
+    errno = 0;
+    long len = strtol(c, &end, 10);
+    if (errno || end == c || (*end && *end != ',') || len < 0 || len > MAX_SIZE)
+      attn_fail(EXIT_BAD_USAGE,
+                "%s must be comma-separated sequence lengths, each an integer in 0..%d, got '%s'",
+                opt, MAX_SIZE, text);
+    total += len;
+    if (total > MAX_SIZE)
+      attn_fail(EXIT_BAD_USAGE, "%s: the lengths add up to more than %d rows: '%s'", opt, MAX_SIZE,
+                text);
+    offsets[s + 1] = (int)total;
+    if (len > *longest) *longest = (int)len;
+    c = end + 1;
+  }
+  if (total == 0)
+    attn_fail(EXIT_BAD_USAGE, "%s: the sequences hold no rows at all; give at least one", opt);
+  *n = count;
+  return offsets;
+}
+
+/* --seqlens and --seqlens-kv: B = 1, Nq and Nkv the totals, the offsets in the problem. */
+static void parse_seqlens(options *o) {
+  attn_problem *p = &o->p;
+  int seqs, seqs_kv;
+  o->cu_seqlens_q = parse_offsets("--seqlens", o->seqlens_text, &seqs, &p->max_seqlen_q);
+  const char *kv_text = o->seqlens_kv_text ? o->seqlens_kv_text : o->seqlens_text;
+  o->cu_seqlens_k = parse_offsets(o->seqlens_kv_text ? "--seqlens-kv" : "--seqlens", kv_text,
+                                  &seqs_kv, &p->max_seqlen_k);
+  if (seqs_kv != seqs)
+    attn_fail(EXIT_BAD_USAGE,
+              "--seqlens-kv: %d key length%s for %d sequence%s; give one per sequence of --seqlens",
+              seqs_kv, seqs_kv == 1 ? "" : "s", seqs, seqs == 1 ? "" : "s");
+  p->seqs = seqs;
+  p->cu_seqlens_q = o->cu_seqlens_q, p->cu_seqlens_k = o->cu_seqlens_k;
+  p->batch = 1, p->seq_q = o->cu_seqlens_q[seqs], p->seq_kv = o->cu_seqlens_k[seqs];
+  o->given_batch = o->given_seq_q = o->given_seq_kv = 1; /* --load must match, not replace */
+}
+
 static void parse_options(const attn_stage *s, int argc, char **argv, options *o) {
   memset(o, 0, sizeof *o);
   o->p.batch = DEFAULT_BATCH;
@@ -247,6 +359,18 @@ static void parse_options(const attn_stage *s, int argc, char **argv, options *o
         o->p.heads_kv = (int)parse_int("--heads-kv", v), o->given_heads_kv = 1;
         break;
       case OPT_CACHE_LENS: o->cache_lens_text = v; break;
+      case OPT_WINDOW: parse_window(&o->p, v); break;
+      case OPT_SOFTCAP: {
+        double cap = parse_real("--softcap", v);
+        /* Held as a float: it must stay a positive finite one. */
+        if (!(cap > 0) || !((float)cap > 0) || cap > FLT_MAX)
+          attn_fail(EXIT_BAD_USAGE,
+                    "--softcap must be a positive number within fp32's range, got '%s'", v);
+        o->p.softcap = (float)cap;
+        break;
+      }
+      case OPT_SEQLENS: o->seqlens_text = v; break;
+      case OPT_SEQLENS_KV: o->seqlens_kv_text = v; break;
       case 'n': seq_given = (int)parse_int("--seq", v); break;
       case OPT_SEQ_Q: o->p.seq_q = (int)parse_int("--seq-q", v), o->given_seq_q = 1; break;
       case OPT_SEQ_KV: o->p.seq_kv = (int)parse_int("--seq-kv", v), o->given_seq_kv = 1; break;
@@ -329,6 +453,9 @@ static void parse_options(const attn_stage *s, int argc, char **argv, options *o
   if (o->load_dir && o->pattern == PATTERN_LARGE_Q)
     attn_fail(EXIT_BAD_USAGE,
               "--inputs large-q scales random inputs, not loaded ones: scale q.npy instead");
+  check_option_combinations(o, seq_given);
+  /* Varlen: one batch of the sequences' total rows, as the options give them. */
+  if (o->seqlens_text) parse_seqlens(o);
   /* Decode: one new query per sequence, unless --seq-q (or a loaded q.npy) says otherwise;
    * --seq then sets the cache's capacity. */
   if (o->cache_lens_text && !o->given_seq_q && !o->load_dir) o->p.seq_q = 1, o->given_seq_q = 1;
@@ -391,6 +518,18 @@ static void validate_for_stage(const attn_stage *s, const options *o) {
               "--layout %s is not supported by this stage: reading [B, N, H, d] in place comes in "
               "09_swizzle_pipeline",
               attn_layout_name(p->layout));
+  if (p->windowed && !s->has_window)
+    attn_fail(EXIT_BAD_USAGE,
+              "--window is not supported by this stage: the sliding window comes in "
+              "13_window_softcap_varlen");
+  if (p->softcap > 0 && !s->has_softcap)
+    attn_fail(EXIT_BAD_USAGE,
+              "--softcap is not supported by this stage: the logit softcap comes in "
+              "13_window_softcap_varlen");
+  if (p->seqs > 0 && !s->has_varlen)
+    attn_fail(EXIT_BAD_USAGE,
+              "--seqlens is not supported by this stage: packed variable-length sequences "
+              "(varlen) come in 13_window_softcap_varlen");
   if (o->backward && hkv != p->heads && !s->has_gqa_backward)
     attn_fail(EXIT_BAD_USAGE,
               "--backward is not supported with --heads-kv other than --heads by this stage: the "
@@ -597,7 +736,10 @@ static void load_inputs(const options *o, host_inputs *in) {
     char path[4096], err[512];
     npy_path(path, sizeof path, o->load_dir, files[f].name);
     if (npy_read_f32(path, files[f].shape, 4, files[f].dst, err, sizeof err))
-      attn_fail(EXIT_BAD_USAGE, "%s", err);
+      attn_fail(EXIT_BAD_USAGE, "%s%s", err,
+                p->seqs > 0 && strstr(err, ", expected (")
+                    ? " (with --seqlens, the sequences packed: [1, H, the total rows, d])"
+                    : "");
     size_t n = files[f].shape[0] * files[f].shape[1] * files[f].shape[2] * files[f].shape[3];
     for (size_t i = 0; i < n; i++)
       if (!isfinite(files[f].dst[i]))
@@ -711,6 +853,10 @@ static double estimate_forward_s(const attn_stage *s, const attn_problem *p) {
   small.seq_q = p->seq_q < 128 ? p->seq_q : 128;
   small.seq_kv = p->seq_kv < 512 ? p->seq_kv : 512;
   small.cache_lens = NULL;
+  /* One dense sequence: the small problem's rows are not the packed ones. Window and softcap
+   * stay, so that their cost is in the rate. */
+  small.seqs = small.max_seqlen_q = small.max_seqlen_k = 0;
+  small.cu_seqlens_q = small.cu_seqlens_k = NULL;
   size_t nq = attn_q_elems(&small), nkv = attn_kv_elems(&small);
   attn_buffers t = {0};
   float *q = attn_host_alloc(nq * sizeof(float), "estimate"), *o = attn_host_alloc(nq * 4, "o");
@@ -879,9 +1025,23 @@ static void human_bytes(char *buf, size_t len, double bytes) {
   snprintf(buf, len, u ? "%.1f %s" : "%.0f %s", bytes, unit[u]);
 }
 
+/* The mask as the result line shows it: "causal" or "non-causal", then the window and the
+ * softcap where given ("causal window=256,0 softcap=30"). */
+static void mask_text(char *buf, size_t len, const attn_problem *p) {
+  size_t used = (size_t)snprintf(buf, len, "%s", p->causal ? "causal" : "non-causal");
+  if (p->windowed && used < len)
+    used +=
+        (size_t)snprintf(buf + used, len - used, " window=%d,%d", p->window_left, p->window_right);
+  if (p->softcap > 0 && used < len)
+    snprintf(buf + used, len - used, " softcap=%g", (double)p->softcap);
+}
+
 static void print_line(const attn_stage *s, const attn_problem *p, const pass_result *r) {
-  char shape[160], heads[32] = "", lens[48] = "", ws[32], rate[32], check[256];
+  char shape[192], heads[32] = "", lens[48] = "", ws[32], rate[32], check[256], mask[96];
   if (attn_heads_kv(p) != p->heads) snprintf(heads, sizeof heads, " Hkv=%d", attn_heads_kv(p));
+  /* Varlen: how many sequences (Nq and Nkv are their totals). */
+  if (p->seqs > 0)
+    snprintf(heads + strlen(heads), sizeof heads - strlen(heads), " seqs=%d", p->seqs);
   if (p->cache_lens) {
     int lo = p->seq_kv, hi = 0;
     for (int b = 0; b < p->batch; b++)
@@ -907,15 +1067,19 @@ static void print_line(const attn_stage *s, const attn_problem *p, const pass_re
              r->ok ? "ok" : "FAIL", r->ok ? "" : " (", r->ok ? "" : r->why, r->ok ? "" : ")");
   else
     snprintf(check, sizeof check, "not checked");
+  mask_text(mask, sizeof mask, p);
   printf("%-18s %s %-28s %s %-10s | %s | %9.3f ms | %s | workspace %s\n", s->name, r->direction,
-         shape, attn_dtype_name(p->dtype), p->causal ? "causal" : "non-causal", check, r->ms, rate,
-         ws);
+         shape, attn_dtype_name(p->dtype), mask, check, r->ms, rate, ws);
 }
 
-/* The --tsv table's header: a file that starts with another line is another table. */
-#define TSV_HEADER                                                                                 \
+/* The --tsv table's header: a file that starts with another line is another table. The
+ * columns up to date are those of the rows written before 13_window_softcap_varlen; window,
+ * softcap, seqlens and seqlens_kv were added at the end, so that every older column keeps its
+ * place, and hold "-" where the run has none. */
+#define TSV_COLUMNS_BEFORE_WINDOW                                                                  \
   "stage\tdirection\tdtype\tB\tH\tNq\tNkv\td\tcausal\tms\ttflops\tworkspace_bytes\tdevice_bytes\t" \
-  "peak_rss_bytes\tmax_err\ttol\tcheck\tdevice\tunits\tcuda\tdate\n"
+  "peak_rss_bytes\tmax_err\ttol\tcheck\tdevice\tunits\tcuda\tdate"
+#define TSV_HEADER TSV_COLUMNS_BEFORE_WINDOW "\twindow\tsoftcap\tseqlens\tseqlens_kv\n"
 /* Set where the header went out before the run (a file that is not a regular file). */
 static int tsv_header_written;
 
@@ -927,11 +1091,27 @@ static void write_tsv(const char *path, const attn_stage *s, const attn_problem 
   tsv_header_written = 1;
   fprintf(f,
           "%s\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%.6g\t%.6g\t%zu\t%zu\t%ld\t%.3g\t%.3g\t%s\t%s\t%d\t%"
-          "s\t%s\n",
+          "s\t%s",
           s->name, r->direction, attn_dtype_name(p->dtype), p->batch, p->heads, p->seq_q, p->seq_kv,
           p->head_dim, p->causal, r->ms, r->flops / (r->ms * 1e-3) / 1e12, r->workspace,
           r->device_bytes, peak_rss_bytes(), r->checked ? r->err : NAN, r->checked ? r->tol : NAN,
           r->checked ? (r->ok ? "ok" : "fail") : "none", st->device, st->units, st->cuda, st->date);
+  if (p->windowed)
+    fprintf(f, "\t%d,%d", p->window_left, p->window_right);
+  else
+    fputs("\t-", f);
+  if (p->softcap > 0)
+    fprintf(f, "\t%.9g", (double)p->softcap); /* every digit: the row reruns the case */
+  else
+    fputs("\t-", f);
+  /* The lengths, as --seqlens and --seqlens-kv take them (from the offsets). */
+  for (int side = 0; side < 2; side++) {
+    const int *cu = side == 0 ? p->cu_seqlens_q : p->cu_seqlens_k;
+    fputs(p->seqs > 0 ? "\t" : "\t-", f);
+    for (int q = 0; p->seqs > 0 && q < p->seqs; q++)
+      fprintf(f, q ? ",%d" : "%d", cu[q + 1] - cu[q]);
+  }
+  fputc('\n', f);
   if (fclose(f) != 0) attn_fail(EXIT_BAD_USAGE, "--tsv %s: write failed", path);
 }
 
@@ -989,6 +1169,12 @@ static void check_outputs_writable(const options *o) {
       head[n > 0 ? n : 0] = 0;
       if (strcmp(head, TSV_HEADER) != 0) {
         close(fd);
+        if (strncmp(head, TSV_COLUMNS_BEFORE_WINDOW "\n", strlen(TSV_COLUMNS_BEFORE_WINDOW) + 1) ==
+            0)
+          attn_fail(EXIT_BAD_USAGE,
+                    "--tsv %s: the file holds this program's table from before the window, "
+                    "softcap, seqlens and seqlens_kv columns; give a new file",
+                    o->tsv_path);
         attn_fail(EXIT_BAD_USAGE,
                   "--tsv %s: the file holds another table (its first line is not this "
                   "program's header); give a new file",
@@ -1098,6 +1284,13 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
     void *lens = dev_alloc(&a, sizeof(int) * (size_t)p->batch, "cache lengths");
     s->device->upload(lens, p->cache_lens, sizeof(int) * (size_t)p->batch);
     t.cache_lens = lens;
+  }
+  if (p->seqs > 0) { /* the same for the varlen offsets */
+    size_t bytes = sizeof(int) * ((size_t)p->seqs + 1);
+    void *cu_q = dev_alloc(&a, bytes, "cu_seqlens_q"), *cu_k = dev_alloc(&a, bytes, "cu_seqlens_k");
+    s->device->upload(cu_q, p->cu_seqlens_q, bytes);
+    s->device->upload(cu_k, p->cu_seqlens_k, bytes);
+    t.cu_seqlens_q = cu_q, t.cu_seqlens_k = cu_k;
   }
   t.o = dev_alloc(&a, nq * attn_dtype_size(p->dtype), "O");
   t.lse = dev_alloc(&a, nlse * sizeof(float), "LSE");
@@ -1228,13 +1421,23 @@ int attention_main(const attn_stage *s, int argc, char **argv) {
     pthread_join(progress, NULL);
   }
 
-  void *device_buffers[] = {(void *)t.q, (void *)t.k, (void *)t.v,         t.o,
-                            t.lse,       t.workspace, (void *)t.d_o,       t.dq,
-                            t.dk,        t.dv,        (void *)t.cache_lens};
+  void *device_buffers[] = {(void *)t.q,
+                            (void *)t.k,
+                            (void *)t.v,
+                            t.o,
+                            t.lse,
+                            t.workspace,
+                            (void *)t.d_o,
+                            t.dq,
+                            t.dk,
+                            t.dv,
+                            (void *)t.cache_lens,
+                            (void *)t.cu_seqlens_q,
+                            (void *)t.cu_seqlens_k};
   for (size_t i = 0; i < sizeof device_buffers / sizeof *device_buffers; i++)
     if (device_buffers[i]) s->device->release(device_buffers[i]);
   free(in.q), free(in.k), free(in.v), free(in.d_o), free(o_host), free(lse_host);
-  free(o.cache_lens);
+  free(o.cache_lens), free(o.cu_seqlens_q), free(o.cu_seqlens_k);
   for (int g = 0; g < 3; g++) free(grads[g]);
   if (failed) fprintf(stderr, "%s: check FAILED%s\n", s->name, attn_failure_note);
   return failed ? EXIT_CHECK_FAILED : EXIT_OK;

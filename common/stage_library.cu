@@ -17,11 +17,12 @@
 #include ATTN_STAGE_SOURCE
 #undef main
 
-/* The version of these entry points, which python/flash_stages/_library.py checks: 5 since
- * attn_problem has a layout (4: cache lengths; 3: every call returns the harness's exit code
- * and attn_library_error says why). A library of another version would be
+/* The version of these entry points, which python/flash_stages/_library.py checks: 6 since
+ * attn_problem, attn_buffers and attn_stage end with the window, softcap and varlen fields
+ * (5: a layout; 4: cache lengths; 3: every call returns the harness's exit code and
+ * attn_library_error says why). A library of another version would be
  * misread, so the package refuses one without this function or with another version. */
-extern "C" int attn_library_abi(void) { return 5; }
+extern "C" int attn_library_abi(void) { return 6; }
 
 /* The stage's descriptor: name, idea, head dims, dtypes, causal and backward support. The
  * program name is set here, once, so that the harness's error lines name the stage. */
@@ -48,18 +49,29 @@ static int end_call(int code) {
  * allocates it and passes it in t->workspace). Stage 11 plans its decode split here, from
  * the current device's SMs and shared memory. */
 /* What the harness's validation would refuse and a kernel could not tell: a layout the
- * stage's kernels do not read. */
-static void check_layout(const attn_problem *p) {
+ * stage's kernels do not read, or a mask or softcap they do not apply (they would compute
+ * plain attention and return it as the answer). */
+static void check_problem(const attn_problem *p) {
   if (p->layout != LAYOUT_BHND && !stage.has_layouts)
     attn_fail(EXIT_BAD_USAGE, "layout %s: this stage reads [B, H, N, d] only",
               attn_layout_name(p->layout));
+  if (p->windowed && !stage.has_window)
+    attn_fail(EXIT_BAD_USAGE,
+              "this stage has no sliding window (it comes in 13_window_softcap_varlen)");
+  if (p->softcap > 0 && !stage.has_softcap)
+    attn_fail(EXIT_BAD_USAGE,
+              "this stage has no logit softcap (it comes in 13_window_softcap_varlen)");
+  if (p->seqs > 0 && !stage.has_varlen)
+    attn_fail(EXIT_BAD_USAGE,
+              "this stage takes no packed variable-length sequences (varlen comes in "
+              "13_window_softcap_varlen)");
 }
 
 static int workspace(attn_workspace_fn fn, const attn_problem *p, size_t *bytes) {
   jmp_buf failed;
   if (setjmp(failed) != 0) return end_call(attn_last_failure_code());
   attn_fail_return_to(&failed);
-  check_layout(p);
+  check_problem(p);
   *bytes = fn ? fn(p) : 0;
   return end_call(EXIT_OK);
 }
@@ -82,10 +94,14 @@ static int run_pass(attn_pass_fn pass, const char *name, const attn_problem *p,
   /* Every variable, whichever this stage reads (a workspace query reads those it needs): a
    * call with a bad value fails the same way on every stage. */
   attn_check_environment();
-  check_layout(p);
+  check_problem(p);
   if (t->cache_lens && !stage.has_cache_lens)
     attn_fail(EXIT_BAD_USAGE,
               "this stage takes no cache lengths (they come in 11_split_kv_decode)");
+  if ((t->cu_seqlens_q || t->cu_seqlens_k) && !stage.has_varlen)
+    attn_fail(EXIT_BAD_USAGE,
+              "this stage takes no packed variable-length sequences (varlen comes in "
+              "13_window_softcap_varlen)");
   attn_set_stream((cudaStream_t)stream);
   attn_set_deterministic(deterministic);
   pass(p, t);

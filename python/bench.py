@@ -47,7 +47,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 import attn  # noqa: E402
-from compare_pytorch import HEADER, REPEATS, WARMUPS, flops, timed_median  # noqa: E402
+from compare_pytorch import (HEADER, NO_MASK_CELLS, REPEATS, WARMUPS, flops,  # noqa: E402
+                             timed_median)
 from sweep import HIDDEN, TOKENS  # noqa: E402
 
 DEFAULT_SEQ = [4096, 16384]
@@ -222,7 +223,7 @@ def tsv_row(stage, direction, dtype, b, h, n, d, causal, ms, peak, stamp):
     fl = flops(b, h, n, d, causal) * (2.5 if direction == "bwd" else 1.0)
     return "\t".join([stage, direction, dtype, str(b), str(h), str(n), str(n), str(d),
                       str(int(causal)), f"{ms:.4f}", f"{fl / ms / 1e9:.2f}", "0", str(peak),
-                      "0", "", "", "-", *stamp]) + "\n"
+                      "0", "", "", "-", *stamp, *NO_MASK_CELLS]) + "\n"
 
 
 def fmt_pair(a, b, spec, width):

@@ -26,8 +26,13 @@ import tempfile
 from sweep import GPU_N, HIDDEN, TOKENS
 
 WARMUPS, REPEATS = 5, 20
+# The stage programs' TSV header (common/runner.c), so that these rows and theirs make one table.
+# window, softcap, seqlens and seqlens_kv came last, with 13_window_softcap_varlen; a row of
+# plain attention holds NO_MASK_CELLS there.
 HEADER = ("stage\tdirection\tdtype\tB\tH\tNq\tNkv\td\tcausal\tms\ttflops\tworkspace_bytes\t"
-          "device_bytes\tpeak_rss_bytes\tmax_err\ttol\tcheck\tdevice\tunits\tcuda\tdate\n")
+          "device_bytes\tpeak_rss_bytes\tmax_err\ttol\tcheck\tdevice\tunits\tcuda\tdate\t"
+          "window\tsoftcap\tseqlens\tseqlens_kv\n")
+NO_MASK_CELLS = ("-", "-", "-", "-")
 
 
 def need_torch():
@@ -122,7 +127,7 @@ def bench(torch, out_dir, budget, names, seqs):
                 f.write("\t".join([f"sdpa_{name}", direction, dtype, str(b), str(h), str(n),
                                    str(n), str(d), str(int(causal)), f"{ms:.4f}",
                                    f"{fl_dir / ms / 1e9:.2f}", "0", str(peak), "0", "", "",
-                                   "-", *stamp]) + "\n")
+                                   "-", *stamp, *NO_MASK_CELLS]) + "\n")
             f.flush()
             del q, k_, v, do, o
             torch.cuda.empty_cache()

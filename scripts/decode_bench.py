@@ -67,7 +67,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 import attn  # noqa: E402
-from compare_pytorch import HEADER  # noqa: E402
+from compare_pytorch import HEADER, NO_MASK_CELLS  # noqa: E402
 
 STAGE = "11_split_kv_decode"
 READ = "torch_sum_kv"  # rows of the read-only ceiling: torch.sum of K and of V, timer "read"
@@ -130,8 +130,9 @@ class Writer:
         cells = [stage, "fwd", "fp16", b, H, NQ, length, D, 0, f"{ms:.5f}",
                  f"{flops(b, length) / ms / 1e9:.3f}", workspace, peak, 0,
                  "" if err is None else f"{err:.3g}", "" if tol is None else f"{tol:.3g}",
-                 check, *self.stamp, HKV, length, kv_bytes(b, length), f"{gbps:.1f}",
-                 f"{copy_gbps:.1f}", f"{gbps / copy_gbps:.4f}", timer, chunk_keys, best]
+                 check, *self.stamp, *NO_MASK_CELLS, HKV, length, kv_bytes(b, length),
+                 f"{gbps:.1f}", f"{copy_gbps:.1f}", f"{gbps / copy_gbps:.4f}", timer, chunk_keys,
+                 best]
         cells = [str(c) for c in cells]
         self.f.write("\t".join(cells) + "\n")
         self.f.flush()

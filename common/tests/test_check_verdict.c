@@ -37,7 +37,14 @@ int main(void) {
   const double scales[] = {1, 10, 100, 300, 1e3, 1e4, 1e6, 1e9};
   for (size_t s = 0; s < sizeof scales / sizeof *scales; s++) {
     double x = scales[s];
-    attn_problem p = {1, 2, 37, 53, 16, 0, 0.25f, DTYPE_FP32, 2, NULL, LAYOUT_BHND};
+    attn_problem p = {.batch = 1,
+                      .heads = 2,
+                      .seq_q = 37,
+                      .seq_kv = 53,
+                      .head_dim = 16,
+                      .scale = 0.25f,
+                      .dtype = DTYPE_FP32,
+                      .heads_kv = 2};
     size_t nq = attn_q_elems(&p), nkv = attn_kv_elems(&p), nl = attn_lse_elems(&p);
     attn_rng rng;
     attn_rng_seed(&rng, 11);

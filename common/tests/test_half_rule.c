@@ -30,8 +30,15 @@ int main(void) {
   for (int t = DTYPE_FP16; t <= DTYPE_BF16; t++)
     for (int causal = 0; causal <= 1; causal++)
       for (int heads_kv = 2; heads_kv >= 1; heads_kv--) {
-        attn_problem p = {1,        2,    41,         29, 16, causal, 0.25f, (attn_dtype)t,
-                          heads_kv, NULL, LAYOUT_BHND};
+        attn_problem p = {.batch = 1,
+                          .heads = 2,
+                          .seq_q = 41,
+                          .seq_kv = 29,
+                          .head_dim = 16,
+                          .causal = causal,
+                          .scale = 0.25f,
+                          .dtype = (attn_dtype)t,
+                          .heads_kv = heads_kv};
         attn_rng rng;
         attn_rng_seed(&rng, 7);
         size_t nq = attn_q_elems(&p), nkv = attn_kv_elems(&p), nl = attn_lse_elems(&p);

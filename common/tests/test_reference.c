@@ -1,7 +1,8 @@
 /* The float64 reference backward, checked against central finite differences of its own
  * forward (docs/conventions.md section 3), also under grouped-query attention (where dK and dV
- * sum over a group's query heads) and with cache lengths; the invariants of dS; and the
- * forward with cache lengths against the same problem whose cache holds exactly L_b keys.
+ * sum over a group's query heads), with cache lengths, with the softcap, sliding windows and
+ * varlen; the invariants of dS; and the forward with cache lengths against the same problem
+ * whose cache holds exactly L_b keys. (test_masks.c checks the masks themselves.)
  * Exit 0 when all hold. */
 #include <math.h>
 #include <stdio.h>
@@ -36,20 +37,21 @@ static double *randn(attn_rng *rng, size_t n) {
   return x;
 }
 
-/* B sequences of H query heads and Hkv K/V heads; cache_lens: NULL or B lengths. */
-static void finite_differences(int nq, int nkv, int d, int causal, int batch, int heads,
-                               int heads_kv, const int *cache_lens) {
-  float scale = (float)(1 / sqrt((double)d));
-  fd_case c = {.p = {batch, heads, nq, nkv, d, causal, scale, DTYPE_FP32, heads_kv, cache_lens}};
-  const attn_problem *p = &c.p;
+/* The reference backward of problem p against central finite differences of its forward;
+ * `what` names the case in a failure. */
+static void check_gradients(const attn_problem *p, unsigned seed, const char *what) {
+  fd_case c = {.p = *p};
   attn_rng rng;
-  attn_rng_seed(&rng, 1000u * nq + 100u * nkv + 10u * d + causal + 7919u * (heads / heads_kv - 1));
+  attn_rng_seed(&rng, seed);
   size_t nqe = attn_q_elems(p), nkve = attn_kv_elems(p), rows = attn_lse_elems(p);
   c.q = randn(&rng, nqe), c.k = randn(&rng, nkve), c.v = randn(&rng, nkve);
   c.g = randn(&rng, nqe), c.w = randn(&rng, rows);
-  for (size_t r = 0; r < rows; r++)
-    if (attn_visible_keys(p, (long)(r / ((size_t)heads * nq)), (int)(r % (size_t)nq)) == 0)
-      c.w[r] = 0;
+  for (size_t r = 0; r < rows; r++) {
+    int lo, hi;
+    attn_key_range(p, (long)(r / ((size_t)p->heads * p->seq_q)), (int)(r % (size_t)p->seq_q), &lo,
+                   &hi);
+    if (lo == hi) c.w[r] = 0;
+  }
   double *grad[3] = {malloc(sizeof(double) * nqe), malloc(sizeof(double) * nkve),
                      malloc(sizeof(double) * nkve)};
   reference_backward(p, c.q, c.k, c.v, c.g, c.w, grad[0], grad[1], grad[2], NULL);
@@ -69,18 +71,132 @@ static void finite_differences(int nq, int nkv, int d, int causal, int batch, in
       EXPECT(fabs(num - ana) <= 1e-5 + 1e-3 * fabs(num),
              "%s[%zu] B=%d H=%d Hkv=%d Nq=%d Nkv=%d d=%d causal=%d%s: finite difference %.9g, "
              "reference %.9g",
-             names[t], e, batch, heads, heads_kv, nq, nkv, d, causal,
-             cache_lens ? " (cache lengths)" : "", num, ana);
+             names[t], e, p->batch, p->heads, attn_heads_kv(p), p->seq_q, p->seq_kv, p->head_dim,
+             p->causal, what, num, ana);
     }
   for (int t = 0; t < 3; t++) free(grad[t]);
   free(c.q), free(c.k), free(c.v), free(c.g), free(c.w);
+}
+
+/* B sequences of H query heads and Hkv K/V heads; cache_lens: NULL or B lengths. */
+static void finite_differences(int nq, int nkv, int d, int causal, int batch, int heads,
+                               int heads_kv, const int *cache_lens) {
+  attn_problem p = {.batch = batch,
+                    .heads = heads,
+                    .seq_q = nq,
+                    .seq_kv = nkv,
+                    .head_dim = d,
+                    .causal = causal,
+                    .scale = (float)(1 / sqrt((double)d)),
+                    .dtype = DTYPE_FP32,
+                    .heads_kv = heads_kv,
+                    .cache_lens = cache_lens};
+  check_gradients(&p, 1000u * nq + 100u * nkv + 10u * d + causal + 7919u * (heads / heads_kv - 1),
+                  cache_lens ? " (cache lengths)" : "");
+}
+
+/* The softcap: dQ and dK carry 1 - tanh^2 of the capped logit. c = 0.5 saturates unit-sized
+ * logits (scale 1: q . k of about +-2 at d = 4), c = 5 barely bends them; under both masks,
+ * Nq > Nkv giving rows that see no key, and grouped-query heads. */
+static int softcap_cases(void) {
+  const float caps[2] = {0.5f, 5.f};
+  int cases = 0;
+  for (int c = 0; c < 2; c++)
+    for (int causal = 0; causal < 2; causal++)
+      for (int shape = 0; shape < 3; shape++, cases++) {
+        const int nq[3] = {3, 5, 4}, nkv[3] = {5, 3, 4}, heads_kv[3] = {2, 2, 1};
+        attn_problem p = {.batch = 1 + (shape == 2),
+                          .heads = 2,
+                          .seq_q = nq[shape],
+                          .seq_kv = nkv[shape],
+                          .head_dim = 4,
+                          .causal = causal,
+                          .scale = 1.f,
+                          .dtype = DTYPE_FP32,
+                          .heads_kv = heads_kv[shape],
+                          .softcap = caps[c]};
+        char what[48];
+        snprintf(what, sizeof what, " softcap=%g", (double)caps[c]);
+        check_gradients(&p, 31u * (unsigned)cases + 5, what);
+      }
+  return cases;
+}
+
+/* Sliding windows, causal and not, each side bounded or not, on Nq < Nkv, Nq > Nkv and Nq = Nkv.
+ * Windows (0, 0) and (1, 0) on Nq = 5 > Nkv = 3 leave rows 0 and 1 seeing no key (their diag
+ * is below key 0), and (0, 0) is one key a row: a softmax of one. One case adds a softcap. */
+static int window_cases(void) {
+  const int windows[7][2] = {{1, 0}, {0, 1}, {2, -1}, {-1, 1}, {0, 0}, {1, 2}, {-1, -1}};
+  const int nq[3] = {3, 5, 4}, nkv[3] = {5, 3, 4};
+  int cases = 0;
+  for (int w = 0; w < 7; w++)
+    for (int causal = 0; causal < 2; causal++)
+      for (int shape = 0; shape < 3; shape++, cases++) {
+        attn_problem p = {.batch = 1,
+                          .heads = 2,
+                          .seq_q = nq[shape],
+                          .seq_kv = nkv[shape],
+                          .head_dim = 4,
+                          .causal = causal,
+                          .scale = 0.5f,
+                          .dtype = DTYPE_FP32,
+                          .heads_kv = 2,
+                          .windowed = 1,
+                          .window_left = windows[w][0],
+                          .window_right = windows[w][1]};
+        if (w == 5 && shape == 0) p.softcap = 0.5f;
+        char what[48];
+        snprintf(what, sizeof what, " window=%d,%d%s", windows[w][0], windows[w][1],
+                 p.softcap > 0 ? " softcap=0.5" : "");
+        check_gradients(&p, 97u * (unsigned)cases + 3, what);
+      }
+  return cases;
+}
+
+/* Varlen: four packed sequences of (queries, keys) (2, 3), (0, 2) (keys no query sees: no
+ * gradient), (1, 1) (one token) and (3, 0) (queries that see nothing), and the same with equal
+ * lengths (3, 0, 1, 2); causal and not, with a window and a softcap and without, on two K/V
+ * heads and on one. */
+static int varlen_cases(void) {
+  const int cu[2][2][5] = {{{0, 2, 2, 3, 6}, {0, 3, 5, 6, 6}}, {{0, 3, 3, 4, 6}, {0, 3, 3, 4, 6}}};
+  int cases = 0;
+  for (int set = 0; set < 2; set++)
+    for (int causal = 0; causal < 2; causal++)
+      for (int extra = 0; extra < 3; extra++, cases++) {
+        attn_problem p = {.batch = 1,
+                          .heads = 2,
+                          .seq_q = cu[set][0][4],
+                          .seq_kv = cu[set][1][4],
+                          .head_dim = 4,
+                          .causal = causal,
+                          .scale = 0.8f,
+                          .dtype = DTYPE_FP32,
+                          .heads_kv = extra == 2 ? 1 : 2,
+                          .seqs = 4,
+                          .max_seqlen_q = 3,
+                          .max_seqlen_k = 3,
+                          .cu_seqlens_q = cu[set][0],
+                          .cu_seqlens_k = cu[set][1]};
+        if (extra == 1) p.windowed = 1, p.window_left = 1, p.window_right = 0, p.softcap = 0.5f;
+        const char *what[3] = {" (varlen)", " (varlen, window 1,0, softcap 0.5)", " (varlen)"};
+        check_gradients(&p, 53u * (unsigned)cases + 17, what[extra]);
+      }
+  return cases;
 }
 
 /* dS rows sum to 0 (softmax is shift-invariant), masked entries of dS are 0, rows that see
  * no key get dQ = 0, and with dO = 0 (loss = sum(w * LSE) only) dV is exactly 0. */
 static void invariants(int nq, int nkv, int causal) {
   int d = 8;
-  attn_problem p = {1, 2, nq, nkv, d, causal, 0.35f, DTYPE_FP32, 2, NULL, LAYOUT_BHND};
+  attn_problem p = {.batch = 1,
+                    .heads = 2,
+                    .seq_q = nq,
+                    .seq_kv = nkv,
+                    .head_dim = d,
+                    .causal = causal,
+                    .scale = 0.35f,
+                    .dtype = DTYPE_FP32,
+                    .heads_kv = 2};
   attn_rng rng;
   attn_rng_seed(&rng, 7u + (unsigned)causal);
   size_t nqe = attn_q_elems(&p), nkve = attn_kv_elems(&p), rows = attn_lse_elems(&p);
@@ -90,7 +206,8 @@ static void invariants(int nq, int nkv, int causal) {
   double *dv = malloc(sizeof(double) * nkve), *ds = malloc(sizeof(double) * rows * nkv);
   reference_backward(&p, q, k, v, d_o, NULL, dq, dk, dv, ds);
   for (size_t r = 0; r < rows; r++) {
-    int i = (int)(r % (size_t)nq), visible = attn_visible_keys(&p, 0, i);
+    int i = (int)(r % (size_t)nq), visible, lo;
+    attn_key_range(&p, 0, i, &lo, &visible); /* lo = 0: no window, no varlen */
     double sum = 0, scale_sum = 0;
     for (int j = 0; j < nkv; j++) sum += ds[r * nkv + j], scale_sum += fabs(ds[r * nkv + j]);
     EXPECT(fabs(sum) <= 1e-12 * (1 + scale_sum), "dS row %zu sums to %.3g, expected 0", r, sum);
@@ -111,7 +228,16 @@ static void invariants(int nq, int nkv, int causal) {
 static void cache_lengths(int causal) {
   enum { B = 3, H = 4, HKV = 2, NQ = 3, NKV = 7, D = 8 };
   const int lens[B] = {7, 2, 0}; /* full, shorter than Nq (causal: rows that see no key), empty */
-  attn_problem p = {B, H, NQ, NKV, D, causal, 0.3f, DTYPE_FP32, HKV, lens, LAYOUT_BHND};
+  attn_problem p = {.batch = B,
+                    .heads = H,
+                    .seq_q = NQ,
+                    .seq_kv = NKV,
+                    .head_dim = D,
+                    .causal = causal,
+                    .scale = 0.3f,
+                    .dtype = DTYPE_FP32,
+                    .heads_kv = HKV,
+                    .cache_lens = lens};
   attn_rng rng;
   attn_rng_seed(&rng, 11u + (unsigned)causal);
   size_t nqe = attn_q_elems(&p), nkve = attn_kv_elems(&p), rows = attn_lse_elems(&p);
@@ -124,7 +250,15 @@ static void cache_lengths(int causal) {
   for (int b = 0; b < B; b++) {
     /* Sequence b alone, its cache cut to L_b keys (an empty cache: one key no row sees). */
     int len = lens[b] > 0 ? lens[b] : 1;
-    attn_problem one = {1, H, NQ, len, D, causal, 0.3f, DTYPE_FP32, HKV, NULL, LAYOUT_BHND};
+    attn_problem one = {.batch = 1,
+                        .heads = H,
+                        .seq_q = NQ,
+                        .seq_kv = len,
+                        .head_dim = D,
+                        .causal = causal,
+                        .scale = 0.3f,
+                        .dtype = DTYPE_FP32,
+                        .heads_kv = HKV};
     int none = 0, *one_lens = lens[b] > 0 ? NULL : &none;
     one.cache_lens = one_lens;
     double *k1 = malloc(sizeof(double) * HKV * len * D),
@@ -171,12 +305,16 @@ int main(void) {
   const int lens[2] = {2, 5};
   for (int causal = 0; causal < 2; causal++, cases++)
     finite_differences(3, 5, 4, causal, 2, 2, 1, lens);
+  int added = softcap_cases();
+  added += window_cases();
+  added += varlen_cases();
+  cases += added;
   /* Nq = 5 > Nkv = 3 under the causal mask: rows 0 and 1 see no key. */
   invariants(5, 3, 1), invariants(5, 3, 0), invariants(4, 9, 1);
   cache_lengths(0), cache_lengths(1);
   printf(
-      "reference backward: %d finite-difference cases, 3 invariant cases, 2 cache-length "
-      "cases, %d failures\n",
-      cases, failures);
+      "reference backward: %d finite-difference cases (%d with softcap, window or varlen), 3 "
+      "invariant cases, 2 cache-length cases, %d failures\n",
+      cases, added, failures);
   return failures ? 1 : 0;
 }

@@ -19,11 +19,17 @@ DTYPE_FP32, DTYPE_FP16, DTYPE_BF16 = 0, 1, 2
 class Problem(ctypes.Structure):
     """attn_problem. heads_kv 0 means H; cache_lens NULL means every sequence holds Nkv keys
     (flash_attn_with_kvcache passes B host ints); layout 0 is [B, H, N, d] (LAYOUT_BHND), 1
-    [B, N, H, d] (the C++ operators pass that where the stage has layouts)."""
+    [B, N, H, d] (the C++ operators pass that where the stage has layouts). The window, softcap
+    and varlen fields (13_window_softcap_varlen) stay 0: no call passes them yet."""
     _fields_ = [("batch", ctypes.c_int), ("heads", ctypes.c_int), ("seq_q", ctypes.c_int),
                 ("seq_kv", ctypes.c_int), ("head_dim", ctypes.c_int), ("causal", ctypes.c_int),
                 ("scale", ctypes.c_float), ("dtype", ctypes.c_int), ("heads_kv", ctypes.c_int),
-                ("cache_lens", ctypes.c_void_p), ("layout", ctypes.c_int)]
+                ("cache_lens", ctypes.c_void_p), ("layout", ctypes.c_int),
+                ("windowed", ctypes.c_int), ("window_left", ctypes.c_int),
+                ("window_right", ctypes.c_int), ("softcap", ctypes.c_float),
+                ("seqs", ctypes.c_int), ("max_seqlen_q", ctypes.c_int),
+                ("max_seqlen_k", ctypes.c_int), ("cu_seqlens_q", ctypes.c_void_p),
+                ("cu_seqlens_k", ctypes.c_void_p)]
 
 
 class Buffers(ctypes.Structure):
@@ -31,7 +37,8 @@ class Buffers(ctypes.Structure):
     _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
                 ("o", ctypes.c_void_p), ("lse", ctypes.c_void_p), ("d_o", ctypes.c_void_p),
                 ("dq", ctypes.c_void_p), ("dk", ctypes.c_void_p), ("dv", ctypes.c_void_p),
-                ("workspace", ctypes.c_void_p), ("cache_lens", ctypes.c_void_p)]
+                ("workspace", ctypes.c_void_p), ("cache_lens", ctypes.c_void_p),
+                ("cu_seqlens_q", ctypes.c_void_p), ("cu_seqlens_k", ctypes.c_void_p)]
 
 
 class Stage(ctypes.Structure):
@@ -44,7 +51,8 @@ class Stage(ctypes.Structure):
                 ("forward", ctypes.c_void_p), ("backward_workspace", ctypes.c_void_p),
                 ("backward", ctypes.c_void_p), ("has_gqa", ctypes.c_int),
                 ("has_cache_lens", ctypes.c_int), ("has_gqa_backward", ctypes.c_int),
-                ("has_layouts", ctypes.c_int)]
+                ("has_layouts", ctypes.c_int), ("has_window", ctypes.c_int),
+                ("has_softcap", ctypes.c_int), ("has_varlen", ctypes.c_int)]
 
 
 class StageLibraryError(RuntimeError):
@@ -58,7 +66,7 @@ class StageLibraryError(RuntimeError):
 
 
 # The entry points' version this package calls (attn_library_abi in common/stage_library.cu).
-LIBRARY_ABI = 5
+LIBRARY_ABI = 6
 
 
 class StageLibrary:
