@@ -50,6 +50,10 @@ def folder_name(kind, device):
     return attn.slug(device) if kind == "gpu" else "cpu-" + attn.slug(device)
 
 
+# The columns stage 13's options added to the rows ("-" where a run has none).
+MASK_COLUMNS = ("window", "softcap", "seqlens", "seqlens_kv")
+
+
 def merge(committed, fresh, replaced_stages):
     """Every row of `fresh` is added; the committed rows of `replaced_stages` are dropped."""
     old = [r for r in attn.read_rows(committed) if r["stage"] not in replaced_stages]
@@ -61,8 +65,8 @@ def merge(committed, fresh, replaced_stages):
     header += [h for h in (old[0].keys() if old else []) if h not in header]  # e.g. `run`
     with open(committed, "w") as f:
         f.write("\t".join(header) + "\n")
-        for r in rows:
-            f.write("\t".join(r.get(h, "") for h in header) + "\n")
+        for r in rows:  # a row from before the mask columns had none: "-", as the stages write
+            f.write("\t".join(r.get(h, "-" if h in MASK_COLUMNS else "") for h in header) + "\n")
 
 
 def main():
