@@ -87,7 +87,7 @@ if(ATTN_ENABLE_CUDA)
     if(NOT user_archs AND NOT archs)
       set(ATTN_CUDA_WHY "no GPU here (-DATTN_CUDA_ALL_ARCHITECTURES=ON builds them)")
       message(STATUS "CUDA: toolkit found, no GPU of compute capability 8.0 or later: the GPU "
-                     "stages 03-12 are not built (-DATTN_CUDA_ALL_ARCHITECTURES=ON builds them "
+                     "stages 03-13 are not built (-DATTN_CUDA_ALL_ARCHITECTURES=ON builds them "
                      "for sm_80 and sm_90)")
     else()
       if(user_archs)
@@ -103,7 +103,7 @@ if(ATTN_ENABLE_CUDA)
     elseif(CMAKE_CUDA_COMPILER_VERSION VERSION_LESS 12.5)
       set(ATTN_CUDA_WHY "CUDA ${CMAKE_CUDA_COMPILER_VERSION} is older than 12.5")
       message(STATUS "CUDA: toolkit ${CMAKE_CUDA_COMPILER_VERSION} found, 12.5 or later "
-                     "needed; the GPU stages 03-12 and the cuBLAS baseline are skipped")
+                     "needed; the GPU stages 03-13 and the cuBLAS baseline are skipped")
     else()
       find_package(CUDAToolkit REQUIRED)
       # C++20 for designated initialisers: the GPU stages fill their descriptor as the C stages
@@ -123,11 +123,11 @@ if(ATTN_ENABLE_CUDA)
     endif()
   else()
     set(ATTN_CUDA_WHY "no CUDA toolkit found")
-    message(STATUS "CUDA: no CUDA toolkit found; the GPU stages 03-12 and the cuBLAS baseline "
+    message(STATUS "CUDA: no CUDA toolkit found; the GPU stages 03-13 and the cuBLAS baseline "
                    "are skipped")
   endif()
 else()
   set(ATTN_CUDA_WHY "ATTN_ENABLE_CUDA=OFF")
-  message(STATUS "CUDA: disabled (ATTN_ENABLE_CUDA=OFF); the GPU stages 03-12 and the cuBLAS "
+  message(STATUS "CUDA: disabled (ATTN_ENABLE_CUDA=OFF); the GPU stages 03-13 and the cuBLAS "
                  "baseline are skipped")
 endif()

@@ -43,7 +43,7 @@ def main():
     print("The tour: each stage on its default problem (B=1 H=4 N=512 d=64), checked against "
           "the float64 reference.\n")
     if a.gpu_not_built:
-        print(f"  The GPU stages 03-12 were not built: {a.gpu_not_built}.\n")
+        print(f"  The GPU stages 03-13 were not built: {a.gpu_not_built}.\n")
     failed, ran = [], []
     for s in stages:
         r = subprocess.run([s.path, "--tsv", tsv], capture_output=True, text=True)
