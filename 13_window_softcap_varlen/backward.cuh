@@ -123,10 +123,10 @@ __device__ void load_row_stats(const float *lse, const float *delta, int rows, i
   }
 }
 
-/* With a softcap c > 0 (inv_cap = scale / c), s becomes the capped logit c tanh(s inv_cap)
- * first, and dS, the gradient of the capped logit, is carried to the raw one by 1 - tanh^2
- * (at most 1: the bound of ds_scale still holds).
- * P = 2^(s scale log2(e) - LSE) (LSE in log2 units) and dS = P (dP - D) ds_scale for the four
+/* With a softcap c > 0 (cap_k: see softcap_exponent), s becomes the capped logit c tanh(s scale /
+ * c) first, and dS, the gradient of the capped logit, is carried to the raw one by its slope 1 -
+ * tanh^2 (at most 1: the bound of ds_scale still holds; never NaN, so a masked element's 0 stays
+ * 0). P = 2^(s scale log2(e) - LSE) (LSE in log2 units) and dS = P (dP - D) ds_scale for the four
  * elements of an accumulator, as half an A operand (out[0] rows 0-7, out[1] rows 8-15), `delta`
  * given as D ds_scale: one FFMA in place of the subtraction, so the scaling (1 in bf16) costs
  * nothing here, and by a power of two it rounds as (dP - D) would. A masked element is 0
@@ -135,15 +135,15 @@ __device__ void load_row_stats(const float *lse, const float *delta, int rows, i
 template <typename T>
 __device__ void probabilities_and_ds(const float *s, const float *dp, float scale_log2,
                                      const float *lse, const float *delta, const bool *visible,
-                                     float ds_scale, float cap, float inv_cap, unsigned *p_out,
+                                     float ds_scale, float cap, float cap_k, unsigned *p_out,
                                      unsigned *ds_out) {
   float p[4], ds[4];
 #pragma unroll
   for (int e = 0; e < 4; e++) {
-    float t = cap > 0.f ? softcap_tanh(s[e], inv_cap) : 0.f, x = cap > 0.f ? cap * t : s[e];
+    softcap_t capped = cap > 0.f ? softcap_tanh_and_slope(s[e], cap_k) : softcap_t{0.f, 1.f};
+    float x = cap > 0.f ? cap * capped.t : s[e];
     p[e] = visible[e] ? fminf(1.f, exp2_approx(fmaf(x, scale_log2, -lse[e]))) : 0.f;
-    ds[e] = p[e] * fmaf(dp[e], ds_scale, -delta[e]);
-    if (cap > 0.f) ds[e] *= 1.f - t * t;
+    ds[e] = p[e] * fmaf(dp[e], ds_scale, -delta[e]) * capped.slope;
   }
   p_out[0] = pack2(p[0], p[1], T()), p_out[1] = pack2(p[2], p[3], T());
   ds_out[0] = pack2(ds[0], ds[1], T()), ds_out[1] = pack2(ds[2], ds[3], T());
@@ -272,7 +272,7 @@ __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
                                v + row_start(kvs, bh, seq.k_first + j0), cols, Ks, Vs, kvs.row);
   float dk_acc[KeyFrags][Cols / MmaN][4] = {}, dv_acc[KeyFrags][Cols / MmaN][4] = {};
   const float scale_log2 = softcap > 0.f ? Log2e : scale * Log2e, dss = ds_scale(ds_stats);
-  const float inv_cap = softcap > 0.f ? scale / softcap : 0.f;
+  const float cap_k = softcap_exponent(scale, softcap);
   /* Only the queries [i_begin, i_end) see a key of the block: the tiles before and after are
    * skipped. */
   int i_begin = vis.first_row(j0), i_end = vis.end_row(j0 + cols, seq.nq);
@@ -342,7 +342,7 @@ __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
                 visible[e] = i < seq.nq && j >= vis.begin(i) && j < vis.end(i);
               }
             probabilities_and_ds<T>(s[q][f][half], dp[q][f][half], scale_log2, lse_e, delta_e,
-                                    visible, dss, softcap, inv_cap, p_frag[f] + 2 * half,
+                                    visible, dss, softcap, cap_k, p_frag[f] + 2 * half,
                                     ds_frag[f] + 2 * half);
 #pragma unroll
             for (int h = 0; h < 2; h++) { /* rows g and g + 8 of the fragment's keys */
@@ -422,7 +422,7 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
    * meet every key tile, and reloading them would double the ldmatrix reads of S and dP. */
   unsigned q_frag[D / MmaK][4], do_frag[D / MmaK][4];
   const float scale_log2 = softcap > 0.f ? Log2e : scale * Log2e, dss = ds_scale(ds_stats);
-  const float inv_cap = softcap > 0.f ? scale / softcap : 0.f;
+  const float cap_k = softcap_exponent(scale, softcap);
   load_kv_tile<D, Br, Threads>(q + row_start(qs, bh, seq.q_first + i0),
                                d_o + row_start(qs, bh, seq.q_first + i0), min(Br, seq.nq - i0), Qs,
                                dOs, qs.row);
@@ -479,7 +479,7 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
             visible[e] = i < seq.nq && j >= vis.begin(i) && j < vis.end(i);
           }
         probabilities_and_ds<T>(s[half], dp[half], scale_log2, lse_e, delta_e, visible, dss,
-                                softcap, inv_cap, p_frag + 2 * half, ds_frag + 2 * half);
+                                softcap, cap_k, p_frag + 2 * half, ds_frag + 2 * half);
       }
       mma_tile<D, true, D>(dq_acc, &ds_frag, Kt, n2 * 16, 0);
     }
@@ -505,10 +505,11 @@ template <int D, int BC, bool AtomicDq, typename T>
 static void launch_dkdv(const attn_problem *p, const attn_buffers *t, const float *delta,
                         const float *ds_stats, float *dq_accum) {
   int pairs = (p->seqs ? p->seqs : p->batch) * p->heads;
-  int max_nkv = p->seqs ? p->max_seqlen_k : p->seq_kv;
+  int max_nkv =
+      p->seqs ? longest_sequence(p->cu_seqlens_k, p->seqs, p->max_seqlen_k, p->seq_kv) : p->seq_kv;
   attn_require_shared_memory((const void *)flash_backward_dkdv_kernel<D, BC, AtomicDq, T>,
                              dkdv_bytes<T>(D, BC), "flash_backward_dkdv_kernel");
-  unsigned key_blocks = (unsigned)((max_nkv + BC - 1) / BC * pairs);
+  unsigned key_blocks = grid_blocks((max_nkv + BC - 1) / BC, pairs, "flash_backward_dkdv_kernel");
   if (key_blocks == 0) return; /* no keys: dK and dV are empty, dQ stays 0 */
   flash_backward_dkdv_kernel<D, BC, AtomicDq>
       <<<key_blocks, dkdv_threads(D, BC), dkdv_bytes<T>(D, BC), attn_stream()>>>(
@@ -552,8 +553,10 @@ static void launch_backward(const attn_problem *p, const attn_buffers *t) {
   attn_require_shared_memory((const void *)flash_backward_dq_kernel<D, T>, dq_bytes,
                              "flash_backward_dq_kernel");
   int pairs = (p->seqs ? p->seqs : p->batch) * p->heads;
-  int max_nq = p->seqs ? p->max_seqlen_q : p->seq_q;
-  unsigned row_blocks = (unsigned)((max_nq + Br_dq - 1) / Br_dq * pairs);
+  int max_nq =
+      p->seqs ? longest_sequence(p->cu_seqlens_q, p->seqs, p->max_seqlen_q, p->seq_q) : p->seq_q;
+  unsigned row_blocks =
+      grid_blocks((max_nq + Br_dq - 1) / Br_dq, pairs, "flash_backward_dq_kernel");
   if (row_blocks == 0) return; /* no queries: nothing to write */
   flash_backward_dq_kernel<D><<<row_blocks, threads_for(Br_dq), dq_bytes, attn_stream()>>>(
       (const T *)t->q, (const T *)t->k, (const T *)t->v, (const T *)t->d_o, t->lse, delta, ds_stats,

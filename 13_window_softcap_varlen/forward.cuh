@@ -37,13 +37,13 @@ static_assert(tile_bytes<__half>(128, Bc_small, Br) <= 99 * 1024,
 
 /* Element e of fragment f's accumulators is the lane's row h = 2 f + e / 2, the warp's row
  * g + 8 h. s, zeroed, accumulates S = Q K^T, then, with a softcap c > 0, c tanh(S |scale| / c)
- * (inv_cap = |scale| / c). Only a tile crossing an edge of some row's keys is masked: row h
+ * (cap_k: see softcap_exponent). Only a tile crossing an edge of some row's keys is masked: row h
  * (the sequence's query `row` + 8 h) keeps the keys it sees, the rest become -inf; the tile
  * starts at key j0. m_blk[h] is row h's max over the tile and the quad. */
 template <int D, int BC, typename T>
 __device__ void compute_qk_scores_and_max(const T *Q, const T *K, bool masked,
                                           const visible_keys &vis, int row, int j0, float cap,
-                                          float inv_cap, float (*s)[BC / MmaN][4], float *m_blk) {
+                                          float cap_k, float (*s)[BC / MmaN][4], float *m_blk) {
   constexpr int RowFrags = row_frags(D), LaneRows = 2 * RowFrags;
 #pragma unroll
   for (int kk = 0; kk < D / MmaK; kk++) {
@@ -61,7 +61,7 @@ __device__ void compute_qk_scores_and_max(const T *Q, const T *K, bool masked,
 #pragma unroll
       for (int n = 0; n < BC / MmaN; n++)
 #pragma unroll
-        for (int e = 0; e < 4; e++) s[f][n][e] = cap * softcap_tanh(s[f][n][e], inv_cap);
+        for (int e = 0; e < 4; e++) s[f][n][e] = cap * softcap_tanh(s[f][n][e], cap_k);
   if (masked) {
     /* Row h's keys as the tile's columns [first[h], stop[h]): computed here, on masked tiles
      * only, so that nothing of them stays live across the key loop. */
@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), ForwardBlocksPe
    * scale is a positive one on -Q (exact), and a zero scale sees Q = 0. */
   float scale_log2 = scale == 0.f ? Log2e : fabsf(scale) * Log2e;
   /* Capped logits carry the scale already: the softmax takes them as they are. */
-  const float inv_cap = softcap > 0.f ? fabsf(scale) / softcap : 0.f;
+  const float cap_k = softcap_exponent(fabsf(scale), softcap);
   if (softcap > 0.f) scale_log2 = Log2e;
   if (scale <= 0.f) {
     __pipeline_commit();
@@ -292,7 +292,7 @@ __global__ void __launch_bounds__(threads_for(Br, row_frags(D)), ForwardBlocksPe
     bool masked = j0 < warp_begin || j0 + BC > warp_end;
     const T *Kt = Ks + buf * BC * padded<T>(D), *Vt = Vs + buf * BC * padded<T>(D);
     float s[RowFrags][BC / MmaN][4] = {};
-    compute_qk_scores_and_max<D, BC>(Qw, Kt, masked, vis, i, j0, softcap, inv_cap, s, m_blk);
+    compute_qk_scores_and_max<D, BC>(Qw, Kt, masked, vis, i, j0, softcap, cap_k, s, m_blk);
     merge_block_stats<D>(m_blk, scale_log2, m, l, acc);
     if (!Double) __syncthreads(); /* WAR: every warp is done with S = Q K(t)^T before K(t + 1) */
     if (!Double && next < kv_end)
@@ -352,8 +352,9 @@ static void launch_tiles(const attn_problem *p, const attn_buffers *t) {
   size_t bytes = tile_bytes<T>(D, BC, Br, BUFFERS);
   /* Every (sequence, head) pair's blocks for the longest sequence's rows. */
   int pairs = (p->seqs ? p->seqs : p->batch) * p->heads;
-  int max_nq = p->seqs ? p->max_seqlen_q : p->seq_q;
-  dim3 grid((unsigned)((max_nq + Br - 1) / Br * pairs));
+  int max_nq =
+      p->seqs ? longest_sequence(p->cu_seqlens_q, p->seqs, p->max_seqlen_q, p->seq_q) : p->seq_q;
+  dim3 grid(grid_blocks((max_nq + Br - 1) / Br, pairs, "flash_forward_kernel"));
   if (grid.x == 0) return; /* no rows at all: nothing to launch */
   attn_require_shared_memory((const void *)flash_forward_kernel<D, BC, BUFFERS, T>, bytes,
                              "flash_forward_kernel");

@@ -10,6 +10,9 @@
 #include "attention.h"
 #include "gpu.h"
 
+#include <float.h>
+#include <limits.h>
+
 struct visible_keys {
   int offset;      /* Nkv - Nq of the sequence: query i's diagonal key is i + offset */
   int left, right; /* keys a row sees before and after its diagonal key; -1: no bound (causal
@@ -39,7 +42,35 @@ struct sequence_rows {
 __device__ inline sequence_rows sequence_of(const int *cu_q, const int *cu_k, int s, int nq,
                                             int nkv) {
   if (!cu_q) return {0, 0, nq, nkv};
-  return {cu_q[s], cu_k[s], cu_q[s + 1] - cu_q[s], cu_k[s + 1] - cu_k[s]};
+  /* Offsets from a library caller are device memory no host check has seen: clamped into
+   * the packed rows, as stage 11 clamps its cache lengths, a bad one reads nothing outside. */
+  int q0 = min(max(cu_q[s], 0), nq), q1 = min(max(cu_q[s + 1], q0), nq);
+  int k0 = min(max(cu_k[s], 0), nkv), k1 = min(max(cu_k[s + 1], k0), nkv);
+  return {q0, k0, q1 - q0, k1 - k0};
+}
+
+/* The longest sequence's rows, which size the grid: from the host offsets where they are
+ * given; otherwise the problem's field where it lies in 1..total, else the total (the grid
+ * then covers every row, and the blocks past a sequence's end return at once). */
+static inline int longest_sequence(const int *cu, int seqs, int given, int total) {
+  if (cu) {
+    int most = 0;
+    for (int s = 0; s < seqs; s++) most = cu[s + 1] - cu[s] > most ? cu[s + 1] - cu[s] : most;
+    return most;
+  }
+  return given > 0 && given <= total ? given : total;
+}
+
+/* Blocks of a grid of `pairs` (sequence, head) pairs of `tiles` tiles each, refused past
+ * what one launch takes (a long sequence packed with many short ones multiplies the two). */
+static inline unsigned grid_blocks(long tiles, long pairs, const char *kernel) {
+  long blocks = tiles * pairs;
+  if (blocks > INT_MAX)
+    attn_fail(EXIT_BAD_USAGE,
+              "%s would need %ld blocks (%ld tiles of the longest sequence for each of %ld "
+              "sequence and head pairs), past a launch's %d",
+              kernel, blocks, tiles, pairs, INT_MAX);
+  return (unsigned)blocks;
 }
 
 /* The window as the kernels take it (visible_keys.left, right): causal is the window's right
@@ -49,12 +80,28 @@ static inline int window_right(const attn_problem *p) {
   return p->causal ? 0 : p->windowed ? p->window_right : -1;
 }
 
-/* tanh(x inv_cap) as 1 - 2 / (e^{2 x inv_cap} + 1): an exp2 and a reciprocal, where tanhf
- * takes tens of instructions; e^{..} = inf gives 1 and 0 gives -1, so no input makes NaN.
- * Absolute error near 1e-7, well inside the fp32 logits' own rounding. The capped logit is
- * cap times this; its derivative by the raw logit, 1 - tanh^2 (times the scale, which the
- * passes apply after). */
-__device__ __forceinline__ float softcap_tanh(float x, float inv_cap) {
-  float e = exp2_approx(2.f * Log2e * inv_cap * x);
-  return 1.f - 2.f * __frcp_rn(e + 1.f);
+/* The softcap's tanh from one exp2 and one reciprocal, where tanhf takes tens of
+ * instructions. k is 2 log2(e) scale / c (softcap_exponent), so that tanh(x scale / c) =
+ * 1 - 2 / (2^(k x) + 1) with one multiply a score; an infinite 2^(k x) gives 1 and 0 gives
+ * -1. k is kept finite, so that a tiny cap cannot make inf * 0 of a zero score (padded rows
+ * are zeros). The absolute error, near 1e-7, is a logit error near 1e-7 c: inside fp16's
+ * rounding of P for caps up to about 1e3 (Gemma's are 30 and 50). */
+__host__ __device__ inline float softcap_exponent(float scale, float cap) {
+  float k = cap > 0.f ? 2.f * Log2e * scale / cap : 0.f;
+  return isfinite(k) ? k : copysignf(FLT_MAX, k);
+}
+__device__ __forceinline__ float softcap_tanh(float x, float k) {
+  return 1.f - 2.f * __frcp_rn(exp2_approx(k * x) + 1.f);
+}
+/* The backward's tanh and its slope 1 - tanh^2 (the derivative of the capped logit by the raw
+ * one, times the scale, which the passes apply after), from e = 2^(-|k x|) in [0, 1]:
+ * tanh = sign(x k) (1 - e) / (1 + e) and 1 - tanh^2 = 4 e / (1 + e)^2, which does not cancel
+ * where |x k| is large (1 - t*t would: at tanh's argument 8 it keeps 6% of its value) and is
+ * never NaN, so that a masked element's 0 stays 0. */
+struct softcap_t {
+  float t, slope;
+};
+__device__ __forceinline__ softcap_t softcap_tanh_and_slope(float x, float k) {
+  float y = k * x, e = exp2_approx(-fabsf(y)), r = __fdividef(1.f, 1.f + e);
+  return {copysignf((1.f - e) * r, y), 4.f * e * r * r};
 }
