@@ -540,7 +540,8 @@ def _window_and_softcap(window_size, softcap, causal):
     try:
         left, right = window_size
         bad = isinstance(left, bool) or isinstance(right, bool)
-        left, right = operator.index(left), operator.index(right)
+        if not (type(left) is int and type(right) is int):  # a numpy or torch int: its value
+            left, right = operator.index(left), operator.index(right)
     except (TypeError, ValueError):
         bad = True
     if bad or min(left, right) < -1:
@@ -640,6 +641,10 @@ def _masked_call(q, k, v, dropout_p, softmax_scale, causal, left, right, softcap
         lse = torch.full(qh.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
         return out, lse
     cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
+    if _OPERATORS and torch.compiler.is_compiling():  # as _attention: no try around a trace
+        return torch.ops.flash_stages.forward_masked(
+            q, k, v, stage, causal, scale, left, right, softcap, cu_q, cu_k, max_q, max_k,
+            bool(deterministic), True)
     if _OPERATORS:
         try:
             return torch.ops.flash_stages.forward_masked(
