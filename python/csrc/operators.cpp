@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -249,7 +250,9 @@ Masks masks(const at::Tensor &q, int64_t window_left, int64_t window_right, doub
             int64_t max_seqlen_k) {
   TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1,
                     "flash_stages: window_left and window_right must be -1 (unbounded) or >= 0");
-  TORCH_CHECK_VALUE(softcap >= 0 && softcap <= 3.4e38,
+  /* Below fp32's smallest normal number the cap would round towards 0, which means none. */
+  TORCH_CHECK_VALUE(softcap == 0 || (softcap >= std::numeric_limits<float>::min() &&
+                                     softcap <= std::numeric_limits<float>::max()),
                     "flash_stages: softcap must be 0 (none) or a positive fp32 number");
   Masks m;
   /* A side past the programs' largest size (2^24) bounds nothing: clamped, it fits an int. */

@@ -533,6 +533,11 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     return (out, lse) if return_lse else out
 
 
+# The softcap goes to the library as a float: one below fp32's smallest normal number would
+# round towards 0, which means no cap at all, and one past its largest to infinity.
+_FP32_MIN_NORMAL, _FP32_MAX = 1.1754943508222875e-38, 3.4028234663852886e+38
+
+
 def _window_and_softcap(window_size, softcap, causal):
     """(left, right, softcap, causal) as the stages take them, from FlashAttention's arguments:
     causal makes the right side 0 (FlashAttention's rule), and a window that bounds only that
@@ -553,7 +558,7 @@ def _window_and_softcap(window_size, softcap, causal):
         cap = float(softcap)
     except (TypeError, ValueError):
         cap = math.nan
-    if not (0.0 <= cap <= 3.4e38):  # NaN fails too
+    if not (cap == 0.0 or _FP32_MIN_NORMAL <= cap <= _FP32_MAX):  # NaN fails too
         raise FlashStagesError(f"softcap must be 0 (none) or a positive number within fp32's "
                                f"range, got {softcap!r}")
     if causal:
@@ -1212,7 +1217,7 @@ def _operator_mask(q, window_left, window_right, softcap, cu_seqlens_q, cu_seqle
     check them (a direct call of the operator has no package checks before it)."""
     if window_left < -1 or window_right < -1:
         raise FlashStagesError("window_left and window_right must be -1 (unbounded) or >= 0")
-    if not 0.0 <= softcap <= 3.4e38:
+    if not (softcap == 0.0 or _FP32_MIN_NORMAL <= softcap <= _FP32_MAX):
         raise FlashStagesError("softcap must be 0 (none) or a positive fp32 number")
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise FlashStagesError("cu_seqlens_q and cu_seqlens_k go together")

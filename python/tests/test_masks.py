@@ -432,14 +432,15 @@ def test_softcap_reference_gradcheck():
 
 
 def test_bad_masks_are_clear_errors(monkeypatch):
-    """A window_size that is not two ints of -1 or more, a negative or NaN softcap, GQA with a
-    window (stage 13 has none), a named stage without the option, and no loaded stage with it:
-    one FlashStagesError each."""
+    """A window_size that is not two ints of -1 or more, a softcap that is negative, NaN or
+    outside fp32's normal range (below it the cap would round to 0: none), GQA with a window
+    (stage 13 has none), a named stage without the option, and no loaded stage with it: one
+    FlashStagesError each."""
     q, k, v, _ = make((1, 64, 4, 64), (1, 64, 4, 64), torch.float16)
     for window in ((-2, 0), (3,), "ab", (1.5, 2), (True, 0), (0, -7)):
         with pytest.raises(fs.FlashStagesError, match="window_size must be two ints"):
             fs.flash_attn_func(q, k, v, window_size=window)
-    for cap in (-1.0, -1e-9, float("nan"), float("inf"), "x"):
+    for cap in (-1.0, -1e-9, 1e-40, float("nan"), float("inf"), "x"):
         with pytest.raises(fs.FlashStagesError, match="softcap must be 0"):
             fs.flash_attn_func(q, k, v, softcap=cap)
     with pytest.raises(fs.FlashStagesError, match="grouped-query attention with a sliding"):
