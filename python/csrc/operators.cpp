@@ -1,6 +1,7 @@
-/* The package's operators, flash_stages::forward and flash_stages::backward, registered from
- * C++. Python's definitions of the same operators (flash_stages/__init__.py) cost a call tens
- * of microseconds of host time: ctypes, the tensors' metadata read one Python call at a
+/* The package's operators, flash_stages::forward and flash_stages::backward (and their masked
+ * forms, forward_masked and backward_masked: a sliding window, a softcap, varlen), registered
+ * from C++. Python's definitions of the same operators (flash_stages/__init__.py) cost a call
+ * tens of microseconds of host time: ctypes, the tensors' metadata read one Python call at a
  * time, and a backward that runs Python on autograd's thread. Here a call costs what a
  * built-in operator's does, the dispatcher's and autograd's own work plus the stage's.
  *
@@ -18,7 +19,9 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -208,6 +211,77 @@ attn_buffers pass_buffers(const at::Tensor &q, const at::Tensor &k, const at::Te
   return t;
 }
 
+/* What forward_masked and backward_masked add to the problem (13_window_softcap_varlen,
+ * docs/conventions.md section 1): a sliding window (a side of -1 unbounded), a logit softcap
+ * (0: none) and varlen's packed sequences. The offsets go to the kernels on the device alone
+ * (attn_buffers.cu_seqlens_q, _k); the host copies stay NULL and the stage plans its grids
+ * from max_seqlen_q and max_seqlen_k, so the call reads nothing back to the host and can be
+ * captured in a CUDA graph. */
+struct Masks {
+  int window_left = -1, window_right = -1;
+  float softcap = 0.f;
+  const int *cu_seqlens_q = nullptr, *cu_seqlens_k = nullptr;
+  int seqs = 0;
+  int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+
+  void apply(attn_problem &p) const {
+    p.windowed = window_left >= 0 || window_right >= 0;
+    p.window_left = window_left;
+    p.window_right = window_right;
+    p.softcap = softcap;
+    if (!seqs) return;
+    p.seqs = seqs;
+    /* No sequence is longer than the packed total: a larger bound (a fixed context length
+     * given for every batch) would only launch blocks with nothing to do. */
+    p.max_seqlen_q = static_cast<int>(std::min<int64_t>(max_seqlen_q, p.seq_q));
+    p.max_seqlen_k = static_cast<int>(std::min<int64_t>(max_seqlen_k, p.seq_kv));
+  }
+  void apply(attn_buffers &t) const {
+    t.cu_seqlens_q = cu_seqlens_q;
+    t.cu_seqlens_k = cu_seqlens_k;
+  }
+};
+
+/* The masks of a call, checked as far as can be without reading the offsets (the package's
+ * Python reads them back and checks them outside a CUDA graph capture). */
+Masks masks(const at::Tensor &q, int64_t window_left, int64_t window_right, double softcap,
+            const std::optional<at::Tensor> &cu_seqlens_q,
+            const std::optional<at::Tensor> &cu_seqlens_k, int64_t max_seqlen_q,
+            int64_t max_seqlen_k) {
+  TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1,
+                    "flash_stages: window_left and window_right must be -1 (unbounded) or >= 0");
+  /* Below fp32's smallest normal number the cap would round towards 0, which means none. */
+  TORCH_CHECK_VALUE(softcap == 0 || (softcap >= std::numeric_limits<float>::min() &&
+                                     softcap <= std::numeric_limits<float>::max()),
+                    "flash_stages: softcap must be 0 (none) or a positive fp32 number");
+  Masks m;
+  /* A side past the programs' largest size (2^24) bounds nothing: clamped, it fits an int. */
+  m.window_left = static_cast<int>(std::min<int64_t>(window_left, 1 << 24));
+  m.window_right = static_cast<int>(std::min<int64_t>(window_right, 1 << 24));
+  m.softcap = static_cast<float>(softcap);
+  TORCH_CHECK_VALUE(cu_seqlens_q.has_value() == cu_seqlens_k.has_value(),
+                    "flash_stages: cu_seqlens_q and cu_seqlens_k go together");
+  if (!cu_seqlens_q) return m;
+  const at::Tensor &cu_q = *cu_seqlens_q, &cu_k = *cu_seqlens_k;
+  for (const at::Tensor *cu : {&cu_q, &cu_k})
+    TORCH_CHECK_VALUE(cu->scalar_type() == at::kInt && cu->dim() == 1 && cu->is_contiguous() &&
+                          cu->device() == q.device() && cu->numel() == cu_q.numel() &&
+                          cu->numel() >= 2 && cu->numel() - 1 <= (1 << 24),
+                      "flash_stages: cu_seqlens_q and cu_seqlens_k must be B + 1 contiguous "
+                      "int32 offsets each, on q's device");
+  TORCH_CHECK_VALUE(q.dim() == 4 && q.size(0) == 1,
+                    "flash_stages: varlen packs its sequences into one batch: q must be "
+                    "[1, total, H, d]");
+  TORCH_CHECK_VALUE(max_seqlen_q >= 0 && max_seqlen_k >= 0,
+                    "flash_stages: max_seqlen_q and max_seqlen_k must be >= 0");
+  m.cu_seqlens_q = cu_q.data_ptr<int>();
+  m.cu_seqlens_k = cu_k.data_ptr<int>();
+  m.seqs = static_cast<int>(cu_q.numel() - 1);
+  m.max_seqlen_q = max_seqlen_q;
+  m.max_seqlen_k = max_seqlen_k;
+  return m;
+}
+
 /* The forward, with the KV cache's lengths where given: B ints on the host (the stage plans
  * its split from them) and the same on the device (its kernels read them). seq_major: the
  * tensors are given as [B, N, H, d] (flash_attn_func's), not [B, H, N, d]; O comes back so
@@ -216,12 +290,13 @@ attn_buffers pass_buffers(const at::Tensor &q, const at::Tensor &k, const at::Te
 std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor &q_in, const at::Tensor &k_in,
                                                const at::Tensor &v_in, c10::string_view stage,
                                                bool causal, double scale, const int *host_lens,
-                                               const int *device_lens, bool seq_major) {
+                                               const int *device_lens, bool seq_major,
+                                               const Masks *masks = nullptr) {
   StageLibrary lib = library(stage);
   check_tensors({&q_in, &k_in, &v_in});
   if (seq_major && !(lib.layouts && dense(q_in) && dense(k_in) && dense(v_in))) {
     auto [o, lse] = run_forward(q_in.transpose(1, 2), k_in.transpose(1, 2), v_in.transpose(1, 2),
-                                stage, causal, scale, host_lens, device_lens, false);
+                                stage, causal, scale, host_lens, device_lens, false, masks);
     return {o.transpose(1, 2).contiguous(), lse};
   }
   c10::cuda::CUDAGuard on_device(q_in.device()); /* the stages launch on the current device */
@@ -233,11 +308,13 @@ std::tuple<at::Tensor, at::Tensor> run_forward(const at::Tensor &q_in, const at:
   attn_problem p = problem(q, k, causal, scale, layout, seq_major);
   at::Tensor lse = new_cuda({p.batch, p.heads, p.seq_q}, q, at::kFloat);
   p.cache_lens = host_lens;
+  if (masks) masks->apply(p);
   size_t bytes = 0;
   check(lib, lib.forward_workspace(&p, &bytes), "forward workspace");
   at::Tensor held;
   attn_buffers t = pass_buffers(q, k, v, o, lse, bytes, held);
   t.cache_lens = device_lens;
+  if (masks) masks->apply(t);
   record(stage, "forward", {t.q, t.k, t.v, t.o, t.lse});
   check(lib, lib.forward(&p, &t, c10::cuda::getCurrentCUDAStream().stream()), "forward");
   return {o, lse};
@@ -283,18 +360,20 @@ std::tuple<at::Tensor, at::Tensor> forward_kvcache_cuda(const at::Tensor &q, con
                      device_lens, true);
 }
 
-/* seq_major: as the forward's; dQ, dK and dV come back [B, N, H, d] (dense). */
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
+/* seq_major: as the forward's; dQ, dK and dV come back [B, N, H, d] (dense). masks: as the
+ * forward's. */
+std::tuple<at::Tensor, at::Tensor, at::Tensor> run_backward(
     const at::Tensor &d_o_in, const at::Tensor &q_in, const at::Tensor &k_in,
     const at::Tensor &v_in, const at::Tensor &o_in, const at::Tensor &lse_in,
-    c10::string_view stage, bool causal, double scale, bool deterministic, bool seq_major) {
+    c10::string_view stage, bool causal, double scale, bool deterministic, bool seq_major,
+    const Masks *masks) {
   StageLibrary lib = library(stage);
   check_tensors({&q_in, &k_in, &v_in, &d_o_in, &o_in});
   if (seq_major &&
       !(lib.layouts && dense(d_o_in) && dense(q_in) && dense(k_in) && dense(v_in) && dense(o_in))) {
-    auto [dq, dk, dv] = backward_cuda(
+    auto [dq, dk, dv] = run_backward(
         d_o_in.transpose(1, 2), q_in.transpose(1, 2), k_in.transpose(1, 2), v_in.transpose(1, 2),
-        o_in.transpose(1, 2), lse_in, stage, causal, scale, deterministic, false);
+        o_in.transpose(1, 2), lse_in, stage, causal, scale, deterministic, false, masks);
     return {dq.transpose(1, 2).contiguous(), dk.transpose(1, 2).contiguous(),
             dv.transpose(1, 2).contiguous()};
   }
@@ -308,10 +387,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
              o = in_layout(o_in), lse = lse_in.contiguous();
   at::Tensor dq = new_like(q), dk = new_like(k), dv = new_like(v);
   attn_problem p = problem(q, k, causal, scale, layout, seq_major);
+  if (masks) masks->apply(p);
   size_t bytes = 0;
   check(lib, lib.backward_workspace(&p, &bytes), "backward workspace");
   at::Tensor held;
   attn_buffers t = pass_buffers(q, k, v, o, lse, bytes, held);
+  if (masks) masks->apply(t);
   t.d_o = d_o.data_ptr();
   t.dq = dq.data_ptr();
   t.dk = dk.data_ptr();
@@ -322,6 +403,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   record(stage, "backward", {t.q, t.k, t.v, t.d_o, t.dq, t.dk, t.dv});
   check(lib, lib.backward(&p, &t, c10::cuda::getCurrentCUDAStream().stream(), ordered), "backward");
   return {dq, dk, dv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(
+    const at::Tensor &d_o, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+    const at::Tensor &o, const at::Tensor &lse, c10::string_view stage, bool causal, double scale,
+    bool deterministic, bool seq_major) {
+  return run_backward(d_o, q, k, v, o, lse, stage, causal, scale, deterministic, seq_major,
+                      nullptr);
+}
+
+/* The forward and backward with a sliding window, a softcap or varlen (Masks): separate
+ * operators, so that forward and backward keep their schemas and their planned fast path.
+ * Varlen takes q [1, total_q, H, d] and k, v [1, total_k, H, d] with seq_major=True (or their
+ * [1, H, total, d] views), cu_seqlens_q and cu_seqlens_k B + 1 int32 offsets on the device. */
+std::tuple<at::Tensor, at::Tensor> forward_masked_cuda(
+    const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, c10::string_view stage,
+    bool causal, double scale, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor> &cu_seqlens_q, const std::optional<at::Tensor> &cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, bool deterministic, bool seq_major) {
+  (void)deterministic; /* the backward's, as in forward */
+  Masks m = masks(q, window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                  max_seqlen_k);
+  return run_forward(q, k, v, stage, causal, scale, nullptr, nullptr, seq_major, &m);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_masked_cuda(
+    const at::Tensor &d_o, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+    const at::Tensor &o, const at::Tensor &lse, c10::string_view stage, bool causal, double scale,
+    int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor> &cu_seqlens_q, const std::optional<at::Tensor> &cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, bool deterministic, bool seq_major) {
+  Masks m = masks(q, window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                  max_seqlen_k);
+  return run_backward(d_o, q, k, v, o, lse, stage, causal, scale, deterministic, seq_major, &m);
 }
 
 /* Shapes and strides only, for torch.compile's fake tensors: the layout the CUDA kernel's
@@ -356,6 +471,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_meta(
             at::empty_like(v, at::MemoryFormat::Contiguous)};
   attn_layout layout = choose_layout(library(stage), q, k);
   return {empty_in(q, layout), empty_in(k, layout), empty_in(v, layout)};
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_masked_meta(const at::Tensor &q, const at::Tensor &k,
+                                                       const at::Tensor &v, c10::string_view stage,
+                                                       bool, double, int64_t, int64_t, double,
+                                                       const std::optional<at::Tensor> &,
+                                                       const std::optional<at::Tensor> &, int64_t,
+                                                       int64_t, bool, bool seq_major) {
+  return forward_meta(q, k, v, stage, false, 0.0, false, seq_major);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_masked_meta(
+    const at::Tensor &d_o, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+    const at::Tensor &o, const at::Tensor &lse, c10::string_view stage, bool, double, int64_t,
+    int64_t, double, const std::optional<at::Tensor> &, const std::optional<at::Tensor> &, int64_t,
+    int64_t, bool, bool seq_major) {
+  return backward_meta(d_o, q, k, v, o, lse, stage, false, 0.0, false, seq_major);
 }
 
 /* The autograd formula: the backward operator, once differentiable (the backward operator's
@@ -425,6 +557,89 @@ std::tuple<at::Tensor, at::Tensor> forward_autograd(const at::Tensor &q, const a
     return forward_op().call(q, k, v, stage, causal, scale, deterministic, seq_major);
   }
   auto out = Attention::apply(q, k, v, std::string(stage), causal, scale, deterministic, seq_major);
+  return {out[0], out[1]};
+}
+
+/* The same formula for the masked operators: the window, softcap and offsets go to the backward
+ * as they came to the forward (the offsets are integers: no gradient). */
+const c10::TypedOperatorHandle<decltype(forward_masked_cuda)> &forward_masked_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("flash_stages::forward_masked", "")
+                       .typed<decltype(forward_masked_cuda)>();
+  return op;
+}
+
+class MaskedAttention : public torch::autograd::Function<MaskedAttention> {
+ public:
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext *ctx, const at::Tensor &q, const at::Tensor &k,
+      const at::Tensor &v, const std::string &stage, bool causal, double scale, int64_t window_left,
+      int64_t window_right, double softcap, const std::optional<at::Tensor> &cu_seqlens_q,
+      const std::optional<at::Tensor> &cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+      bool deterministic, bool seq_major) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [o, lse] = forward_masked_op().call(q, k, v, stage, causal, scale, window_left,
+                                             window_right, softcap, cu_seqlens_q, cu_seqlens_k,
+                                             max_seqlen_q, max_seqlen_k, deterministic, seq_major);
+    ctx->save_for_backward({q, k, v, o, lse});
+    ctx->saved_data["stage"] = stage;
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["window_left"] = window_left;
+    ctx->saved_data["window_right"] = window_right;
+    ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["cu_seqlens_q"] = cu_seqlens_q;
+    ctx->saved_data["cu_seqlens_k"] = cu_seqlens_k;
+    ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
+    ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
+    ctx->saved_data["deterministic"] = deterministic;
+    ctx->saved_data["seq_major"] = seq_major;
+    ctx->mark_non_differentiable({lse});
+    ctx->set_materialize_grads(false);
+    return {o, lse};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext *ctx,
+                                                 torch::autograd::variable_list grads) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("flash_stages::backward_masked", "")
+                         .typed<decltype(backward_masked_cuda)>();
+    /* One gradient for each of the forward's 15 arguments: q, k and v's, then none. */
+    torch::autograd::variable_list out(15);
+    if (!grads[0].defined()) return out; /* O took no part in the loss */
+    auto saved = ctx->get_saved_variables();
+    auto &data = ctx->saved_data;
+    std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd; /* as Attention's */
+    if (!at::GradMode::is_enabled()) below_autograd.emplace();
+    auto [dq, dk, dv] = op.call(
+        grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], data["stage"].toStringRef(),
+        data["causal"].toBool(), data["scale"].toDouble(), data["window_left"].toInt(),
+        data["window_right"].toInt(), data["softcap"].toDouble(),
+        data["cu_seqlens_q"].toOptional<at::Tensor>(),
+        data["cu_seqlens_k"].toOptional<at::Tensor>(), data["max_seqlen_q"].toInt(),
+        data["max_seqlen_k"].toInt(), data["deterministic"].toBool(), data["seq_major"].toBool());
+    out[0] = dq;
+    out[1] = dk;
+    out[2] = dv;
+    return out;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> forward_masked_autograd(
+    const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, c10::string_view stage,
+    bool causal, double scale, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor> &cu_seqlens_q, const std::optional<at::Tensor> &cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, bool deterministic, bool seq_major) {
+  if (!at::GradMode::is_enabled() ||
+      !(q.requires_grad() || k.requires_grad() || v.requires_grad())) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return forward_masked_op().call(q, k, v, stage, causal, scale, window_left, window_right,
+                                    softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                    deterministic, seq_major);
+  }
+  auto out = MaskedAttention::apply(q, k, v, std::string(stage), causal, scale, window_left,
+                                    window_right, softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, deterministic, seq_major);
   return {out[0], out[1]};
 }
 
@@ -529,6 +744,16 @@ TORCH_LIBRARY(flash_stages, m) {
       "forward_kvcache(Tensor q, Tensor k, Tensor v, Tensor? cache_lens, int[] host_lens, "
       "str stage, bool causal, float scale) -> (Tensor, Tensor)");
   m.def(
+      "forward_masked(Tensor q, Tensor k, Tensor v, str stage, bool causal, float scale, "
+      "int window_left, int window_right, float softcap, Tensor? cu_seqlens_q, "
+      "Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, bool deterministic, "
+      "bool seq_major=False) -> (Tensor, Tensor)");
+  m.def(
+      "backward_masked(Tensor d_o, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, str stage, "
+      "bool causal, float scale, int window_left, int window_right, float softcap, "
+      "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
+      "bool deterministic, bool seq_major=False) -> (Tensor, Tensor, Tensor)");
+  m.def(
       "register_stage(str name, int forward_workspace, int backward_workspace, int forward, "
       "int backward, int error, bool layouts) -> ()",
       &register_stage);
@@ -542,16 +767,22 @@ TORCH_LIBRARY_IMPL(flash_stages, CUDA, m) {
   m.impl("forward", &forward_cuda);
   m.impl("forward_kvcache", &forward_kvcache_cuda);
   m.impl("backward", &backward_cuda);
+  m.impl("forward_masked", &forward_masked_cuda);
+  m.impl("backward_masked", &backward_masked_cuda);
 }
 
 TORCH_LIBRARY_IMPL(flash_stages, Meta, m) {
   m.impl("forward", &forward_meta);
   m.impl("forward_kvcache", &forward_kvcache_meta);
   m.impl("backward", &backward_meta);
+  m.impl("forward_masked", &forward_masked_meta);
+  m.impl("backward_masked", &backward_masked_meta);
 }
 
 TORCH_LIBRARY_IMPL(flash_stages, Autograd, m) {
   m.impl("forward", &forward_autograd);
   m.impl("backward", torch::autograd::autogradNotImplementedFallback());
   m.impl("forward_kvcache", torch::autograd::autogradNotImplementedFallback());
+  m.impl("forward_masked", &forward_masked_autograd);
+  m.impl("backward_masked", torch::autograd::autogradNotImplementedFallback());
 }

@@ -25,6 +25,11 @@ What a stage does not support (dtype, head dim, causal, backward, grouped-query 
 a FlashStagesError that says which stage supports it; with fallback=True the call goes to
 PyTorch's SDPA instead, with one warning per reason.
 
+FlashAttention's sliding window and logit softcap (flash_attn_func's window_size and softcap)
+and its packed variable-length batches (flash_attn_varlen_func) run on a stage that has them
+(13_window_softcap_varlen), through two more operators, flash_stages::forward_masked and
+flash_stages::backward_masked.
+
 Streams: the kernels run on PyTorch's current stream (the harness's attn_stream(), which the
 library sets around each call; the stage programs leave it at the legacy default stream).
 CUDA graphs: a call can be captured (torch.cuda.graph, torch.compile's reduce-overhead mode).
@@ -36,9 +41,11 @@ they were at capture, and last_call is not updated.
 import collections.abc
 import ctypes
 import math
+import operator
 import os
 import re
 import warnings
+from typing import Optional
 
 try:
     import torch
@@ -49,8 +56,8 @@ except ImportError as e:  # not a dependency pip installs: the user picks a CPU 
 
 from . import _library
 
-__all__ = ["scaled_dot_product_attention", "flash_attn_func", "flash_attn_with_kvcache",
-           "stages", "stage_info",
+__all__ = ["scaled_dot_product_attention", "flash_attn_func", "flash_attn_varlen_func",
+           "flash_attn_with_kvcache", "stages", "stage_info",
            "FlashStagesError", "HALF_STAGES", "PREFERENCE"]
 
 # The order the default choice tries: the fastest stage first (docs/results), each only where
@@ -76,7 +83,12 @@ _TORCH_DTYPE = {_library.DTYPE_FP32: torch.float32, _library.DTYPE_FP16: torch.f
 _DTYPE_CODE = {v: k for k, v in _TORCH_DTYPE.items()}
 # Where each missing feature arrives in the ladder, for the error messages.
 _COMES_IN = {"causal": "05_causal", "backward": "06_backward", "half": "07_tensor_cores",
-             "gqa": "11_split_kv_decode", "gqa_backward": "12_hopper_backward"}
+             "gqa": "11_split_kv_decode", "gqa_backward": "12_hopper_backward",
+             "masks": "13_window_softcap_varlen"}
+# The options of a masked call (flash_attn_func's window_size and softcap,
+# flash_attn_varlen_func), by their StageInfo attribute: what a stage without one lacks.
+_MASK_OPTIONS = {"window": "sliding window", "softcap": "logit softcap",
+                 "varlen": "varlen (packed variable-length sequences)"}
 
 
 class FlashStagesError(ValueError):
@@ -93,11 +105,14 @@ class StageInfo:
         self.causal, self.backward, self.gqa = lib.causal, lib.backward, lib.gqa
         self.gqa_backward = lib.gqa_backward
         self.cache_lens = lib.cache_lens
+        self.layouts = lib.layouts
+        self.window, self.softcap, self.varlen = lib.window, lib.softcap, lib.varlen
 
     def __repr__(self):
         dt = ", ".join(str(t).replace("torch.", "") for t in self.dtypes)
+        masks = "".join(f", {name}=True" for name in _MASK_OPTIONS if getattr(self, name))
         return (f"StageInfo({self.name}: d in {self.head_dims or 'any'}, {dt}, "
-                f"causal={self.causal}, backward={self.backward}, gqa={self.gqa})")
+                f"causal={self.causal}, backward={self.backward}, gqa={self.gqa}{masks})")
 
 
 _LIBS, LIBRARY_DIR = _library.load_all()
@@ -438,7 +453,8 @@ def _attention(q, k, v, stage, causal, scale, deterministic, needs_grad):
 
 
 def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
-                    return_lse=False, deterministic=False, stage=None):
+                    window_size=(-1, -1), softcap=0.0, return_lse=False, deterministic=False,
+                    stage=None):
     """FlashAttention's call and argument names (keyword-only after v, so that a positional
     dropout_p in FlashAttention's order cannot land in softmax_scale): q [B, S, H, d], k and
     v [B, S_k, Hkv, d] (Hkv dividing H: grouped-query and multi-query attention as
@@ -450,7 +466,22 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     reads [B, S, H, d] in place (09-12, through the C++ operators) gets the tensors as they
     are and writes out, dq, dk and dv in that layout; for any other (08 and earlier, or the
     Python operators) they are copied into [B, H, S, d], in the forward and again in the
-    backward, and the output out of it."""
+    backward, and the output out of it.
+
+    window_size=(left, right): FlashAttention's sliding window, bottom-right aligned as causal
+    is: query i sees key j iff i + S_k - S - left <= j <= i + S_k - S + right, a side of -1
+    unbounded; with causal=True the right side is 0 (FlashAttention's rule), and a window that
+    is only that bound ((-1, 0)) is the causal call. softcap=c > 0: each logit becomes
+    c tanh(softmax_scale q.k / c) before the mask (Gemma 2's); 0 is none. Either runs on a
+    stage that has it (13_window_softcap_varlen: fp16 and bf16, d = 32, 64, 128, no
+    grouped-query attention), forward and backward; without one loaded, or with k and v of
+    fewer heads than q, the call raises FlashStagesError."""
+    if type(window_size) is not tuple or window_size != (-1, -1) or softcap != 0.0:
+        left, right, softcap, causal = _window_and_softcap(window_size, softcap, causal)
+        if left != -1 or right != -1 or softcap > 0:  # else the plain call below
+            out, lse = _masked_call(q, k, v, dropout_p, softmax_scale, causal, left, right,
+                                    softcap, None, deterministic, stage, "[B, S, H, d]")
+            return (out, lse) if return_lse else out
     # A repeated call of the default scale and stage: its plan is in C++ (as in
     # scaled_dot_product_attention; through the Python operators every call is checked).
     in_cpp = _planned_forward is not None and softmax_scale is None and stage is None and \
@@ -500,6 +531,231 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
                         needs_grad)
     out = o.transpose(1, 2).contiguous()
     return (out, lse) if return_lse else out
+
+
+# The softcap goes to the library as a float: one below fp32's smallest normal number would
+# round towards 0, which means no cap at all, and one past its largest to infinity.
+_FP32_MIN_NORMAL, _FP32_MAX = 1.1754943508222875e-38, 3.4028234663852886e+38
+
+
+def _window_and_softcap(window_size, softcap, causal):
+    """(left, right, softcap, causal) as the stages take them, from FlashAttention's arguments:
+    causal makes the right side 0 (FlashAttention's rule), and a window that bounds only that
+    side by 0 is the causal mask, which every stage has (FlashAttention's rule too)."""
+    try:
+        left, right = window_size
+        bad = isinstance(left, bool) or isinstance(right, bool)
+        if not (type(left) is int and type(right) is int):  # a numpy or torch int: its value
+            left, right = operator.index(left), operator.index(right)
+    except (TypeError, ValueError):
+        bad = True
+    if bad or min(left, right) < -1:
+        raise FlashStagesError(f"window_size must be two ints (left, right), each -1 "
+                               f"(unbounded) or >= 0, got {window_size!r}")
+    # A side past the stages' largest size (2^24 rows) bounds nothing: clamped, it fits an int.
+    left, right = min(left, _MAX_DIM), min(right, _MAX_DIM)
+    try:
+        cap = float(softcap)
+    except (TypeError, ValueError):
+        cap = math.nan
+    if not (cap == 0.0 or _FP32_MIN_NORMAL <= cap <= _FP32_MAX):  # NaN fails too
+        raise FlashStagesError(f"softcap must be 0 (none) or a positive number within fp32's "
+                               f"range, got {softcap!r}")
+    if causal:
+        right = 0
+    if left == -1 and right == 0:
+        causal, right = True, -1
+    return left, right, cap, bool(causal)
+
+
+# The stages that may run a masked call, in the order the default choice tries them: the
+# preferred ones first, then the rest from the latest in the ladder.
+_MASKED_ORDER = tuple(s for s in PREFERENCE if s in _INFO) + tuple(
+    sorted((s for s in _INFO if s not in PREFERENCE), reverse=True))
+
+
+def _masked_stage(qh, kh, vh, causal, needs_grad, stage, needs):
+    """The stage for a masked call on [B, H, S, d] views, or FlashStagesError: needs, the
+    options of _MASK_OPTIONS the call asks for."""
+    def lacks(name):
+        return [_MASK_OPTIONS[n] for n in needs if not getattr(_INFO[name], n)]
+    if stage is not None:
+        if stage not in _INFO:
+            raise FlashStagesError(_unknown_stage(stage))
+        missing = lacks(stage)
+        if missing:
+            raise FlashStagesError(f"{stage} has no {' and no '.join(missing)} (it comes in "
+                                   f"{_COMES_IN['masks']})")
+        able = [stage]
+    else:
+        able = [s for s in _MASKED_ORDER if not lacks(s)]
+    if not able:
+        wanted = " and ".join(_MASK_OPTIONS[n] for n in needs)
+        raise FlashStagesError(f"no loaded stage has a {wanted} (it comes in "
+                               f"{_COMES_IN['masks']}); loaded: {', '.join(stages()) or 'none'}")
+    # Before _unsupported, whose message would name the stage where GQA comes in: the masked
+    # stage comes later in the ladder and has none.
+    h, hkv = qh.shape[1], kh.shape[1]
+    if hkv != h and not any(_INFO[s].gqa for s in able):
+        raise FlashStagesError(f"no loaded stage computes grouped-query attention with a sliding "
+                               f"window, a softcap or varlen ({', '.join(able)} has none): q has "
+                               f"{h} heads and k {hkv}; repeat k and v to {h} heads")
+    if stage is not None:
+        why = _unsupported(_INFO[stage], qh, kh, vh, causal, True, needs_grad)
+        if why is not None:
+            raise FlashStagesError(why)
+        return stage
+    reasons = []
+    for name in able:
+        why = _unsupported(_INFO[name], qh, kh, vh, causal, True, needs_grad)
+        if why is None:
+            return name
+        reasons.append(why)
+    raise FlashStagesError("no loaded stage computes this call: " + "; ".join(reasons))
+
+
+def _masked_call(q, k, v, dropout_p, softmax_scale, causal, left, right, softcap, varlen,
+                 deterministic, stage, shape):
+    """O [B, S, H, d] and LSE [B, H, S] of flash_attn_func with a window or a softcap, or of
+    flash_attn_varlen_func (varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+    already checked; q, k and v then the packed [1, total, H, d]). shape: how the caller's
+    tensors were given, for the errors."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise FlashStagesError(f"{name} must be a 4-D tensor {shape}, got "
+                                   f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    if dropout_p != 0.0:
+        raise FlashStagesError("the stages have no dropout: dropout_p must be 0")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise FlashStagesError(f"q has {q.shape[2]} heads and k {k.shape[2]}: the query heads "
+                               "must be a multiple of the key/value heads")
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    why = _check_inputs(qh, kh, vh, True)
+    if why is not None:
+        raise FlashStagesError(f"{why} (q, k, v given as {shape}, read as [B, H, S, d])")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    if not math.isfinite(scale):
+        raise FlashStagesError(f"softmax_scale must be a finite number, got {scale}")
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    needs = [name for name, wanted in (("window", left != -1 or right != -1),
+                                       ("softcap", softcap > 0), ("varlen", varlen is not None))
+             if wanted]
+    stage = _masked_stage(qh, kh, vh, causal, needs_grad, stage, needs)
+    if q.numel() == 0 or k.numel() == 0:  # as flash_attn_func: an empty sum, rows see no key
+        out = torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
+        lse = torch.full(qh.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
+        return out, lse
+    cu_q, cu_k, max_q, max_k = varlen if varlen is not None else (None, None, 0, 0)
+    if _OPERATORS and torch.compiler.is_compiling():  # as _attention: no try around a trace
+        return torch.ops.flash_stages.forward_masked(
+            q, k, v, stage, causal, scale, left, right, softcap, cu_q, cu_k, max_q, max_k,
+            bool(deterministic), True)
+    if _OPERATORS:
+        try:
+            return torch.ops.flash_stages.forward_masked(
+                q, k, v, stage, causal, scale, left, right, softcap, cu_q, cu_k, max_q, max_k,
+                bool(deterministic), True)
+        except ValueError as e:  # the library's 2 or 77: what this device cannot run
+            raise FlashStagesError(str(e)) from None
+    o, lse = _attention_masked(qh, kh, vh, stage, causal, scale, bool(deterministic), needs_grad,
+                               (left, right, softcap, cu_q, cu_k, max_q, max_k))
+    return o.transpose(1, 2).contiguous(), lse
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                           softcap=0.0, return_lse=False, deterministic=False, *, stage=None):
+    """FlashAttention's call on variable-length sequences packed end to end without padding:
+    q [total_q, H, d], k and v [total_k, H, d], sequence s holding query rows
+    cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1 and key rows likewise (cu_seqlens_q and _k:
+    B + 1 int32 offsets from 0 on q's device; a sequence may be empty on either side).
+    max_seqlen_q and max_seqlen_k: the longest sequence's rows (the kernels' grids are planned
+    from them; larger is allowed). Each query sees only its own sequence's keys, causal and
+    window_size bottom-right aligned in that sequence (as flash_attn_func's); softcap as there.
+    Returns out [total_q, H, d] and with return_lse=True also the LSE [H, total_q]
+    (FlashAttention 2's layout; float32, -inf on rows that see no key, no gradient);
+    differentiable in q, k and v. Runs on a stage with varlen (13_window_softcap_varlen: fp16
+    and bf16, d = 32, 64, 128, no grouped-query attention): the packed tensors are its
+    [1, total, H, d] problem with the offsets, read in place.
+
+    The kernels read the offsets on the device and the call reads nothing back to the host
+    during a CUDA graph capture, so it can be captured and replayed with new offsets in the
+    same tensors (the same number of sequences and totals, each no longer than max_seqlen_q,
+    max_seqlen_k). Outside a capture (and outside torch.compile's tracing) the offsets are read
+    back and checked first (a synchronisation): start 0, never decreasing, the last the total,
+    no sequence longer than its max_seqlen; inside one they cannot be, and offsets that break
+    those rules give undefined results."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise FlashStagesError(f"{name} must be a 3-D tensor [total, H, d] (the sequences "
+                                   "packed), got "
+                                   f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    left, right, softcap, causal = _window_and_softcap(window_size, softcap, causal)
+    varlen = _check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, q.shape[0],
+                           k.shape[0], v.shape[0], q.device)
+    out, lse = _masked_call(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), dropout_p,
+                            softmax_scale, causal, left, right, softcap, varlen, deterministic,
+                            stage, "[total, H, d]")
+    return (out[0], lse[0]) if return_lse else out[0]
+
+
+def _check_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k,
+                  total_v, device):
+    """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) as the operators take them, or
+    FlashStagesError: the offsets' dtype, device and shape always; their values outside a CUDA
+    graph capture and torch.compile's tracing only, where reading them back is allowed (as
+    flash_attn_with_kvcache's lengths on the GPU)."""
+    if total_v != total_k:
+        raise FlashStagesError(f"k has {total_k} rows and v {total_v}: they must match")
+    offsets = []
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor):
+            raise FlashStagesError(f"{name} must be a tensor of B + 1 int32 offsets, got "
+                                   f"{type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise FlashStagesError(f"{name} must be int32 (FlashAttention's), got {cu.dtype}")
+        if cu.device != device:
+            raise FlashStagesError(f"{name} is on {cu.device}, q on {device}: the offsets must "
+                                   "be on q's device (the kernels read them there)")
+        if cu.dim() != 1 or not 2 <= cu.numel() <= _MAX_DIM + 1:
+            raise FlashStagesError(f"{name} must be 1-D, B + 1 offsets for B >= 1 sequences, got "
+                                   f"shape {tuple(cu.shape)}")
+        offsets.append(cu.contiguous())  # a strided view: copied on the device, no host read
+    if offsets[0].numel() != offsets[1].numel():
+        raise FlashStagesError(f"cu_seqlens_q has {offsets[0].numel()} offsets and cu_seqlens_k "
+                               f"{offsets[1].numel()}: B + 1 each, one sequence per pair")
+    longest = []
+    for name, given in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        try:
+            m = -1 if isinstance(given, bool) else operator.index(given)
+        except TypeError:
+            m = -1
+        if m < 0:
+            raise FlashStagesError(f"{name} must be an int >= 0, got {given!r}")
+        longest.append(m)
+    # is_compiling first: torch.compile folds it to True and never traces the capture query.
+    if not (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing()):
+        values = torch.cat(offsets).tolist()  # one read back, both tensors
+        b = offsets[0].numel()
+        for side, cu, total, rows in (("q", values[:b], total_q, "query"),
+                                      ("k", values[b:], total_k, "key")):
+            name = f"cu_seqlens_{side}"
+            if cu[0] != 0:
+                raise FlashStagesError(f"{name} must start at 0, got {cu[0]}")
+            lengths = [cu[s + 1] - cu[s] for s in range(b - 1)]
+            bad = next((s for s, n in enumerate(lengths) if n < 0), None)
+            if bad is not None:
+                raise FlashStagesError(f"{name} must not decrease: offset {bad + 1} "
+                                       f"({cu[bad + 1]}) is below offset {bad} ({cu[bad]})")
+            if cu[-1] != total:
+                raise FlashStagesError(f"{name} ends at {cu[-1]}, but {side} holds {total} rows: "
+                                       "the last offset is the total")
+            most = max(lengths)
+            limit = longest[0 if side == "q" else 1]
+            if most > limit:
+                raise FlashStagesError(f"max_seqlen_{side} is {limit}, but sequence "
+                                       f"{lengths.index(most)} has {most} {rows} rows")
+    return offsets[0], offsets[1], longest[0], longest[1]
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=None, *, softmax_scale=None,
@@ -653,10 +909,24 @@ def _cache_lengths(cache_seqlens, batch, capacity, device):
 # ---- the operators ---------------------------------------------------------------------
 
 
-def _problem(q, k, causal, scale):
+def _problem(q, k, causal, scale, mask=None):
+    """The attn_problem of [B, H, N, d] tensors; mask: a masked call's (window_left,
+    window_right, softcap, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), or None.
+    The host offsets stay NULL: the library reads the device ones (Buffers) and plans its
+    grids from the longest sequences."""
     b, h, nq, d = q.shape
-    return _library.Problem(b, h, nq, k.shape[2], d, int(causal), scale, _DTYPE_CODE[q.dtype],
-                            k.shape[1], None)
+    p = _library.Problem(b, h, nq, k.shape[2], d, int(causal), scale, _DTYPE_CODE[q.dtype],
+                         k.shape[1], None)
+    if mask is not None:
+        left, right, softcap, cu_q, _, max_q, max_k = mask
+        p.windowed = int(left >= 0 or right >= 0)
+        p.window_left, p.window_right, p.softcap = left, right, softcap
+        if cu_q is not None:
+            # No sequence is longer than the packed total: a larger bound would only launch
+            # blocks with nothing to do.
+            p.seqs = cu_q.numel() - 1
+            p.max_seqlen_q, p.max_seqlen_k = min(max_q, nq), min(max_k, k.shape[2])
+    return p
 
 
 def _in_kernel_layout(t):
@@ -763,16 +1033,18 @@ def _check_environment():
 _PLANS, _PLAN_ENTRIES = {}, 4096
 
 
-def _plan_call(lib, direction, q, k, causal, scale, index, host_lens=None):
+def _plan_call(lib, direction, q, k, causal, scale, index, host_lens=None, mask=None):
     """(attn_problem, workspace bytes) for this call; the device must be current. host_lens:
-    the KV cache's B lengths (a tuple of ints), or None."""
+    the KV cache's B lengths (a tuple of ints), or None; mask: as _problem's."""
+    masks = None if mask is None else (
+        mask[:3] + (mask[3].numel() if mask[3] is not None else 0,) + mask[5:])
     key = (lib.name, direction, q.shape, k.shape, causal, scale, q.dtype, index,
-           _checked_environment, host_lens)
+           _checked_environment, host_lens, masks)
     plan = _PLANS.get(key)
     if plan is None:
         if len(_PLANS) >= _PLAN_ENTRIES:  # a decode loop's growing caches: start over
             _PLANS.clear()
-        p = _problem(q, k, causal, scale)
+        p = _problem(q, k, causal, scale, mask)
         lens = None
         if host_lens is not None:  # kept with the problem, which points at it
             lens = (ctypes.c_int * len(host_lens))(*host_lens)
@@ -802,9 +1074,10 @@ _planned_forward = getattr(torch.ops.flash_stages.planned_forward.default, "_op"
     if _OPERATORS else None
 
 
-def _run_forward(q, k, v, stage, causal, scale, lens=None):
+def _run_forward(q, k, v, stage, causal, scale, lens=None, mask=None):
     """O and LSE of one call: the body of the forward operator and of _Attention. lens: the KV
-    cache's lengths, (B host ints as a tuple, the same as a device int32 tensor), or None."""
+    cache's lengths, (B host ints as a tuple, the same as a device int32 tensor), or None.
+    mask: as _problem's, or None."""
     _check_environment()  # before forward_workspace, which reads them at stage 11's decode
     lib = _LIBS[stage]
     q, k, v = _in_kernel_layout(q), _in_kernel_layout(k), _in_kernel_layout(v)
@@ -812,13 +1085,14 @@ def _run_forward(q, k, v, stage, causal, scale, lens=None):
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     with _OnDevice(q) as (index, stream):
         p, size = _plan_call(lib, "forward", q, k, causal, scale, index,
-                             lens[0] if lens is not None else None)
+                             lens[0] if lens is not None else None, mask)
         ws = _workspace(q, size)
         bufs = _library.Buffers(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
                                 lse.data_ptr(), None, None, None, None,
                                 ws.data_ptr() if ws is not None else None,
                                 lens[1].data_ptr() if lens is not None and lens[1] is not None
                                 else None)
+        _mask_buffers(bufs, mask)
         last_call._record(stage=stage, direction="forward", q=bufs.q, k=bufs.k, v=bufs.v,
                          o=bufs.o, lse=bufs.lse)
         lib.forward(p, bufs, stream)
@@ -838,8 +1112,15 @@ def _(q, k, v, stage, causal, scale, deterministic):
         q.shape[:3], dtype=torch.float32)
 
 
-def _run_backward(d_o, q, k, v, o, lse, stage, causal, scale, deterministic):
-    """dQ, dK and dV of one call: the body of the backward operator and of _Attention."""
+def _mask_buffers(bufs, mask):
+    """The device offsets of a varlen call into its Buffers."""
+    if mask is not None and mask[3] is not None:
+        bufs.cu_seqlens_q, bufs.cu_seqlens_k = mask[3].data_ptr(), mask[4].data_ptr()
+
+
+def _run_backward(d_o, q, k, v, o, lse, stage, causal, scale, deterministic, mask=None):
+    """dQ, dK and dV of one call: the body of the backward operator and of _Attention. mask:
+    as _problem's, or None."""
     _check_environment()
     lib = _LIBS[stage]
     d_o, q, k, v, o = (_in_kernel_layout(t) for t in (d_o, q, k, v, o))
@@ -849,11 +1130,12 @@ def _run_backward(d_o, q, k, v, o, lse, stage, causal, scale, deterministic):
     # is left as the caller set it.
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     with _OnDevice(q) as (index, stream):
-        p, size = _plan_call(lib, "backward", q, k, causal, scale, index)
+        p, size = _plan_call(lib, "backward", q, k, causal, scale, index, None, mask)
         ws = _workspace(q, size)
         bufs = _library.Buffers(q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
                                 lse.data_ptr(), d_o.data_ptr(), dq.data_ptr(), dk.data_ptr(),
                                 dv.data_ptr(), ws.data_ptr() if ws is not None else None)
+        _mask_buffers(bufs, mask)
         last_call._record(stage=stage, direction="backward", q=bufs.q, k=bufs.k, v=bufs.v,
                          d_o=bufs.d_o, dq=bufs.dq, dk=bufs.dk, dv=bufs.dv)
         lib.run_backward(p, bufs, stream, deterministic)
@@ -920,3 +1202,132 @@ class _Attention(torch.autograd.Function):
         dq, dk, dv = _run_backward(d_o, q, k, v, o, lse, ctx.stage, ctx.causal, ctx.scale,
                                    ctx.deterministic)
         return dq, dk, dv, None, None, None, None
+
+
+# ---- the masked operators: a sliding window, a softcap, varlen --------------------------
+# forward_masked and backward_masked, as the C++ library registers them (without seq_major:
+# the Python operators take [B, H, N, d] and copy into it), for flash_attn_func's window_size
+# and softcap and for flash_attn_varlen_func. Separate operators, so that forward and backward
+# keep their schemas.
+
+
+def _operator_mask(q, window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k,
+                   max_seqlen_q, max_seqlen_k):
+    """The mask tuple of _problem from an operator's arguments, checked as the C++ operators
+    check them (a direct call of the operator has no package checks before it)."""
+    if window_left < -1 or window_right < -1:
+        raise FlashStagesError("window_left and window_right must be -1 (unbounded) or >= 0")
+    if not (softcap == 0.0 or _FP32_MIN_NORMAL <= softcap <= _FP32_MAX):
+        raise FlashStagesError("softcap must be 0 (none) or a positive fp32 number")
+    if (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise FlashStagesError("cu_seqlens_q and cu_seqlens_k go together")
+    if cu_seqlens_q is not None:
+        for cu in (cu_seqlens_q, cu_seqlens_k):
+            if not (cu.dtype == torch.int32 and cu.dim() == 1 and cu.is_contiguous() and
+                    cu.device == q.device and cu.numel() == cu_seqlens_q.numel() and
+                    2 <= cu.numel() <= _MAX_DIM + 1):
+                raise FlashStagesError("cu_seqlens_q and cu_seqlens_k must be B + 1 contiguous "
+                                       "int32 offsets each, on q's device")
+        if q.shape[0] != 1:
+            raise FlashStagesError("varlen packs its sequences into one batch: q must be "
+                                   "[1, H, total, d]")
+        if max_seqlen_q < 0 or max_seqlen_k < 0:
+            raise FlashStagesError("max_seqlen_q and max_seqlen_k must be >= 0")
+    return (min(window_left, _MAX_DIM), min(window_right, _MAX_DIM), float(softcap),
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+
+
+@torch.library.custom_op(f"{_PYTHON_NAMESPACE}::forward_masked", mutates_args=(),
+                         device_types="cuda", **_OP_OPTIONS)
+def _forward_masked_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stage: str,
+                       causal: bool, scale: float, window_left: int, window_right: int,
+                       softcap: float, cu_seqlens_q: Optional[torch.Tensor],
+                       cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int,
+                       max_seqlen_k: int, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    mask = _operator_mask(q, window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k)
+    return _run_forward(q, k, v, stage, causal, scale, mask=mask)
+
+
+@_forward_masked_op.register_fake
+def _(q, k, v, stage, causal, scale, window_left, window_right, softcap, cu_seqlens_q,
+      cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
+        q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_PYTHON_NAMESPACE}::backward_masked", mutates_args=(),
+                         device_types="cuda", **_OP_OPTIONS)
+def _backward_masked_op(d_o: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        o: torch.Tensor, lse: torch.Tensor, stage: str, causal: bool,
+                        scale: float, window_left: int, window_right: int, softcap: float,
+                        cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+                        max_seqlen_q: int, max_seqlen_k: int,
+                        deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mask = _operator_mask(q, window_left, window_right, softcap, cu_seqlens_q, cu_seqlens_k,
+                          max_seqlen_q, max_seqlen_k)
+    return _run_backward(d_o, q, k, v, o, lse, stage, causal, scale, deterministic, mask)
+
+
+@_backward_masked_op.register_fake
+def _(d_o, q, k, v, o, lse, stage, causal, scale, window_left, window_right, softcap,
+      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, deterministic):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+def _setup_masked_context(ctx, inputs, output):
+    (q, k, v, stage, causal, scale, left, right, softcap, cu_q, cu_k, max_q, max_k,
+     deterministic) = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)  # the offsets: None without varlen
+    ctx.stage, ctx.causal, ctx.scale, ctx.deterministic = stage, causal, scale, deterministic
+    ctx.masks = (left, right, softcap, max_q, max_k)
+    ctx.mark_non_differentiable(lse)  # as _setup_context
+    ctx.set_materialize_grads(False)
+
+
+def _masked_backward(ctx, d_o, d_lse):
+    if d_o is None:  # O took no part in the loss
+        return (None,) * 14
+    q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+    left, right, softcap, max_q, max_k = ctx.masks
+    dq, dk, dv = _backward_masked_op(d_o, q, k, v, o, lse, ctx.stage, ctx.causal, ctx.scale,
+                                     left, right, softcap, cu_q, cu_k, max_q, max_k,
+                                     ctx.deterministic)
+    return (dq, dk, dv) + (None,) * 11
+
+
+_forward_masked_op.register_autograd(_masked_backward, setup_context=_setup_masked_context)
+
+
+class _MaskedAttention(torch.autograd.Function):
+    """_Attention for masked calls: mask as _problem takes it (its offsets need no gradient)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, stage, causal, scale, deterministic, mask):
+        o, lse = _run_forward(q, k, v, stage, causal, scale, mask=mask)
+        _setup_context(ctx, (q, k, v, stage, causal, scale, deterministic), (o, lse))
+        ctx.mask = mask
+        return o, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_o, d_lse):
+        if d_o is None:  # O took no part in the loss
+            return (None,) * 8
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _run_backward(d_o, q, k, v, o, lse, ctx.stage, ctx.causal, ctx.scale,
+                                   ctx.deterministic, ctx.mask)
+        return (dq, dk, dv) + (None,) * 5
+
+
+def _attention_masked(q, k, v, stage, causal, scale, deterministic, needs_grad, mask):
+    """_attention for a masked call through the Python operators (the C++ ones are called
+    directly): mask as _problem takes it."""
+    if torch.compiler.is_compiling():
+        return _forward_masked_op(q, k, v, stage, causal, scale, *mask, deterministic)
+    if not needs_grad:
+        return _run_forward(q, k, v, stage, causal, scale, mask=mask)
+    return _MaskedAttention.apply(q, k, v, stage, causal, scale, deterministic, mask)

@@ -20,7 +20,10 @@ class Problem(ctypes.Structure):
     """attn_problem. heads_kv 0 means H; cache_lens NULL means every sequence holds Nkv keys
     (flash_attn_with_kvcache passes B host ints); layout 0 is [B, H, N, d] (LAYOUT_BHND), 1
     [B, N, H, d] (the C++ operators pass that where the stage has layouts). The window, softcap
-    and varlen fields (13_window_softcap_varlen) stay 0: no call passes them yet."""
+    and varlen fields (13_window_softcap_varlen) are 0 but in the calls that ask for them
+    (flash_attn_func's window_size and softcap, flash_attn_varlen_func), which leave the host
+    cu_seqlens NULL: the library reads the device copies in Buffers and plans its grids from
+    max_seqlen_q and max_seqlen_k."""
     _fields_ = [("batch", ctypes.c_int), ("heads", ctypes.c_int), ("seq_q", ctypes.c_int),
                 ("seq_kv", ctypes.c_int), ("head_dim", ctypes.c_int), ("causal", ctypes.c_int),
                 ("scale", ctypes.c_float), ("dtype", ctypes.c_int), ("heads_kv", ctypes.c_int),
@@ -103,6 +106,9 @@ class StageLibrary:
         self.gqa_backward = bool(s.has_gqa_backward)
         self.cache_lens = bool(s.has_cache_lens)
         self.layouts = bool(s.has_layouts)
+        self.window = bool(s.has_window)
+        self.softcap = bool(s.has_softcap)
+        self.varlen = bool(s.has_varlen)
 
     def entry_points(self):
         """The addresses of the forward and backward workspace, forward, backward and error
