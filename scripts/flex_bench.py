@@ -195,10 +195,12 @@ def main():
                 torch.cuda.empty_cache()
                 continue
             fl = 4.0 * b * h * d * visible_pairs(kind, n)
-            cells = {"window": (f"{WINDOW},0", "-", "-", "-"),
-                     "softcap": ("-", f"{CAP:g}", "-", "-"),
-                     "varlen": ("-", "-", ",".join(map(str, kind[1])),
-                                ",".join(map(str, kind[1])))}[kind[0]]
+            if kind[0] == "varlen":
+                lens = ",".join(map(str, kind[1]))
+                cells = ("-", "-", lens, lens)
+            else:
+                cells = (f"{WINDOW},0", "-", "-", "-") if kind[0] == "window" else \
+                    ("-", f"{CAP:g}", "-", "-")
             new = not os.path.exists(tsv)
             with open(tsv, "a") as f:
                 if new:
@@ -206,7 +208,7 @@ def main():
                 for direction, ms, fl_dir in (("fwd", ms_f, fl), ("bwd", ms_b, 2.5 * fl)):
                     f.write("\t".join(["flex_attention", direction, "fp16", str(b), str(h),
                                        str(n), str(n), str(d), "1", f"{ms:.4f}",
-                                       f"{fl_dir / ms / 1e9:.2f}", "0", "0", "0", "", "", "-",
+                                       f"{fl_dir / ms / 1e9:.2f}", "0", "0", "0", "nan", "nan", "none",
                                        *stamp, *cells]) + "\n")
             print(f"flex_attention {name} d={d}: fwd {ms_f:.3f} ms, bwd {ms_b:.3f} ms")
             torch.cuda.empty_cache()
