@@ -80,18 +80,27 @@ static inline int window_right(const attn_problem *p) {
   return p->causal ? 0 : p->windowed ? p->window_right : -1;
 }
 
+/* 1 / x in one MUFU.RCP, within an ulp; 1 / inf = 0. __frcp_rn's correctly rounded result
+ * costs refinement instructions and a branch to a slow path on every call, and in the
+ * forward's softcap, which runs on every score, that was half the kernel's time (README). */
+__device__ __forceinline__ float rcp_approx(float x) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
 /* The softcap's tanh from one exp2 and one reciprocal, where tanhf takes tens of
  * instructions. k is 2 log2(e) scale / c (softcap_exponent), so that tanh(x scale / c) =
  * 1 - 2 / (2^(k x) + 1) with one multiply a score; an infinite 2^(k x) gives 1 and 0 gives
  * -1. k is kept finite, so that a tiny cap cannot make inf * 0 of a zero score (padded rows
  * are zeros). The absolute error, near 1e-7, is a logit error near 1e-7 c: inside fp16's
- * rounding of P for caps up to about 1e3 (Gemma's are 30 and 50). */
+ * rounding of P for caps up to about 1e3 (Gemma's are 30 and 50). tanh.approx would be one
+ * instruction, but its relative error of 2^-11 is a logit error of 0.025 at c = 50. */
 __host__ __device__ inline float softcap_exponent(float scale, float cap) {
   float k = cap > 0.f ? 2.f * Log2e * scale / cap : 0.f;
   return isfinite(k) ? k : copysignf(FLT_MAX, k);
 }
 __device__ __forceinline__ float softcap_tanh(float x, float k) {
-  return 1.f - 2.f * __frcp_rn(exp2_approx(k * x) + 1.f);
+  return 1.f - 2.f * rcp_approx(exp2_approx(k * x) + 1.f);
 }
 /* The backward's tanh and its slope 1 - tanh^2 (the derivative of the capped logit by the raw
  * one, times the scale, which the passes apply after), from e = 2^(-|k x|) in [0, 1]:
@@ -102,6 +111,6 @@ struct softcap_t {
   float t, slope;
 };
 __device__ __forceinline__ softcap_t softcap_tanh_and_slope(float x, float k) {
-  float y = k * x, e = exp2_approx(-fabsf(y)), r = __fdividef(1.f, 1.f + e);
+  float y = k * x, e = exp2_approx(-fabsf(y)), r = rcp_approx(1.f + e);
   return {copysignf((1.f - e) * r, y), 4.f * e * r * r};
 }
