@@ -137,6 +137,7 @@ def flex_case(torch, flex_attention, create_block_mask, kind, n, b, h, d, flush)
             return value * torch.tanh(score / value)
     # The backward is timed by repeating it on one graph (retain_graph), which a compiled
     # backward that donates its saved buffers refuses; donation saves memory, not time.
+    import torch._functorch.config
     torch._functorch.config.donated_buffer = False
     block_mask = create_block_mask(mask_mod, B=None, H=None, Q_LEN=n, KV_LEN=n, device=dev)
     compiled = torch.compile(flex_attention)
