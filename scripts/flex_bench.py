@@ -212,7 +212,7 @@ def main():
                 for direction, ms, fl_dir in (("fwd", ms_f, fl), ("bwd", ms_b, 2.5 * fl)):
                     f.write("\t".join(["flex_attention", direction, "fp16", str(b), str(h),
                                        str(n), str(n), str(d), "1", f"{ms:.4f}",
-                                       f"{fl_dir / ms / 1e9:.2f}", "0", "0", "0", "nan", "nan", "none",
+                                       f"{fl_dir / ms / 1e9:.2f}", "nan", "nan", "nan", "nan", "nan", "none",
                                        *stamp, *cells]) + "\n")
             print(f"flex_attention {name} d={d}: fwd {ms_f:.3f} ms, bwd {ms_b:.3f} ms")
             torch.cuda.empty_cache()

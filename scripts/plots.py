@@ -351,6 +351,50 @@ def call_overhead(result_dir, out_dir):
         "set yrange [10:*]\n", plotted)
 
 
+# Stage 13 beside FlexAttention with the same masks and softcap, compiled, and beside 09's
+# dense causal runs of as many tokens, its yardstick (scripts/flex_bench.py, one process):
+# TFLOP/s of the visible (query, key) pairs, each case forward and backward.
+MASK_BARS = [("13_window_softcap_varlen", "stage 13"), ("flex_attention", "FlexAttention"),
+             ("09_swizzle_pipeline", "09, dense causal, as many tokens")]
+CASES = ["window", "softcap", "varlen"]
+
+
+def masks(result_dir, out_dir):
+    rows = attn.read_rows(os.path.join(result_dir, "13_window_softcap_varlen-flex.tsv"))
+    if not rows:
+        return None
+
+    def case(r):
+        return next((name for name, col in (("window", "window"), ("softcap", "softcap"),
+                                            ("varlen", "seqlens")) if r[col] != "-"), None)
+    dense = {(r["direction"], r["Nq"], r["d"]): r["tflops"] for r in rows
+             if r["stage"] == MASK_BARS[2][0]}
+    value, points = {}, []
+    for r in rows:
+        if r["stage"] == MASK_BARS[2][0]:
+            continue
+        point = (int(r["d"]), r["direction"] == "bwd", CASES.index(case(r)), int(r["Nq"]))
+        value[(r["stage"],) + point] = r["tflops"]
+        value[(MASK_BARS[2][0],) + point] = dense.get((r["direction"], r["Nq"], r["d"]), "NaN")
+        if point not in points:
+            points.append(point)
+    out = os.path.join(out_dir, "13_masks.png")
+    dat = os.path.join(fresh_data_dir(out), "masks.dat")
+    with open(dat, "w") as f:
+        for point in sorted(points):
+            d, bwd, k, n = point
+            label = f"{CASES[k]} N={n // 1024}k d={d} {'bwd' if bwd else 'fwd'}"
+            f.write(f"\"{label}\"\t" + "\t".join(
+                str(value.get((stage,) + point, "NaN")) for stage, _ in MASK_BARS) + "\n")
+    rel = os.path.relpath(dat, out_dir)
+    plotted = [f"'{rel}' using {k + 2}:xtic(1) title '{name}' lc rgb '{COLORS[k]}'"
+               for k, (_, name) in enumerate(MASK_BARS)]
+    return histogram_script(
+        out, "Stage 13 beside FlexAttention: window 4096, softcap 50, varlen (fp16, causal)"
+        f"\\n{{/*0.8 {stamp(rows)}; TFLOP/s of the visible pairs}}",
+        "set ylabel 'TFLOP/s'\nset grid ytics\nset yrange [0:*]\n", plotted)
+
+
 def draw(result_dirs, out_dir, stage=None, cpu_plots=True):
     """Every plot, or with `stage` the per-stage form: that stage beside its predecessor."""
     os.makedirs(out_dir, exist_ok=True)
@@ -427,6 +471,7 @@ def draw(result_dirs, out_dir, stage=None, cpu_plots=True):
         scripts += [backward_steps(d, out_dir) for d in result_dirs]
         scripts += [swizzle_switches(d, out_dir) for d in result_dirs]
         scripts += [call_overhead(d, out_dir) for d in result_dirs]
+        scripts += [masks(d, out_dir) for d in result_dirs]
     scripts = [s for s in scripts if s]
     if not shutil.which("gnuplot"):
         print(f"plots: gnuplot not found; data and scripts written to {out_dir}. Install it "

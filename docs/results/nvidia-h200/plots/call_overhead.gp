@@ -1,6 +1,6 @@
 set terminal pngcairo size 1200,640 font 'sans,11'
 set output 'call_overhead.png'
-set title "Wall time per call, back to back (fp16; causal but decode; B = 1 unless given)\n{/*0.8 NVIDIA H200, CUDA 13.0, 2026-11-30; the package: 5a74a6c+kvcache-plan (C++ operators)}"
+set title "Wall time per call, back to back (fp16; causal but decode; B = 1 unless given)\n{/*0.8 NVIDIA H200, CUDA 13.0, 2026-11-30; the package: 00b86f6 (C++ operators)}"
 set ylabel 'wall time per call (us)'
 set grid ytics
 set logscale y
