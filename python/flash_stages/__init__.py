@@ -664,7 +664,7 @@ def _masked_call(q, k, v, dropout_p, softmax_scale, causal, left, right, softcap
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                           softcap=0.0, return_lse=False, deterministic=False, *, stage=None):
+                           softcap=0.0, *, return_lse=False, deterministic=False, stage=None):
     """FlashAttention's call on variable-length sequences packed end to end without padding:
     q [total_q, H, d], k and v [total_k, H, d], sequence s holding query rows
     cu_seqlens_q[s] .. cu_seqlens_q[s + 1] - 1 and key rows likewise (cu_seqlens_q and _k:
