@@ -452,6 +452,25 @@ def _attention(q, k, v, stage, causal, scale, deterministic, needs_grad):
     return _Attention.apply(q, k, v, stage, causal, scale, deterministic)
 
 
+def _heads_major(q, k, v, dropout_p, shape):
+    """q, k and v given as [B, S, H, d] (`shape` names how, for the errors), checked and viewed
+    as the stages' [B, H, S, d], without a copy."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise FlashStagesError(f"{name} must be a 4-D tensor {shape}, got "
+                                   f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    if dropout_p != 0.0:
+        raise FlashStagesError("the stages have no dropout: dropout_p must be 0")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise FlashStagesError(f"q has {q.shape[2]} heads and k {k.shape[2]}: the query heads "
+                               "must be a multiple of the key/value heads")
+    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+    why = _check_inputs(qh, kh, vh, True)
+    if why is not None:
+        raise FlashStagesError(f"{why} (q, k, v given as {shape}, read as [B, H, S, d])")
+    return qh, kh, vh
+
+
 def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=(-1, -1), softcap=0.0, return_lse=False, deterministic=False,
                     stage=None):
@@ -496,19 +515,7 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
             raise FlashStagesError(str(e)) from None
         if out:
             return (out[0], out[1]) if return_lse else out[0]
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise FlashStagesError(f"{name} must be a 4-D tensor [B, S, H, d], got "
-                                   f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
-    if dropout_p != 0.0:
-        raise FlashStagesError("the stages have no dropout: dropout_p must be 0")
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
-        raise FlashStagesError(f"q has {q.shape[2]} heads and k {k.shape[2]}: the query heads "
-                               "must be a multiple of the key/value heads")
-    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-    why = _check_inputs(qh, kh, vh, True)
-    if why is not None:
-        raise FlashStagesError(f"{why} (q, k, v given as [B, S, H, d], read as [B, H, S, d])")
+    qh, kh, vh = _heads_major(q, k, v, dropout_p, "[B, S, H, d]")
     named = stage is not None
     scale, needs_grad, stage, why = _plan(qh, kh, vh, softmax_scale, "softmax_scale", causal, True,
                                           stage)
@@ -620,19 +627,7 @@ def _masked_call(q, k, v, dropout_p, softmax_scale, causal, left, right, softcap
     flash_attn_varlen_func (varlen: (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
     already checked; q, k and v then the packed [1, total, H, d]). shape: how the caller's
     tensors were given, for the errors."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise FlashStagesError(f"{name} must be a 4-D tensor {shape}, got "
-                                   f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
-    if dropout_p != 0.0:
-        raise FlashStagesError("the stages have no dropout: dropout_p must be 0")
-    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
-        raise FlashStagesError(f"q has {q.shape[2]} heads and k {k.shape[2]}: the query heads "
-                               "must be a multiple of the key/value heads")
-    qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
-    why = _check_inputs(qh, kh, vh, True)
-    if why is not None:
-        raise FlashStagesError(f"{why} (q, k, v given as {shape}, read as [B, H, S, d])")
+    qh, kh, vh = _heads_major(q, k, v, dropout_p, shape)
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale):
         raise FlashStagesError(f"softmax_scale must be a finite number, got {scale}")
