@@ -161,12 +161,14 @@ __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
 #pragma unroll
           for (int f = 0; f < KeyFrags; f++) {
             bool visible[4] = {true, true, true, true};
-            if (masked)
+            if (masked) {
+              const key_band band = band_of(vis); /* here, not live across the loop */
 #pragma unroll
               for (int e = 0; e < 4; e++) {
                 int i = i0 + col + e % 2, j = jw + f * MmaM + g + 8 * (e / 2);
-                visible[e] = i < seq.nq && j >= vis.begin(i) && j < vis.end(i);
+                visible[e] = i < seq.nq && j < seq.nkv && band.sees(i, j);
               }
+            }
             probabilities_and_ds<T>(s[q][f][half], dp[q][f][half], scale_log2, lse_e, delta_e,
                                     visible, dss, softcap, cap_k, p_frag[f] + 2 * half,
                                     ds_frag[f] + 2 * half);
@@ -298,12 +300,14 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
 #pragma unroll
       for (int half = 0; half < 2; half++) { /* keys 0-7, then 8-15 of the k-step */
         bool visible[4] = {true, true, true, true};
-        if (masked)
+        if (masked) {
+          const key_band band = band_of(vis); /* here, not live across the loop */
 #pragma unroll
           for (int e = 0; e < 4; e++) {
             int i = iw + g + 8 * (e / 2), j = j0 + n2 * 16 + half * MmaN + 2 * tq + e % 2;
-            visible[e] = i < seq.nq && j >= vis.begin(i) && j < vis.end(i);
+            visible[e] = i < seq.nq && j < seq.nkv && band.sees(i, j);
           }
+        }
         probabilities_and_ds<T>(s[half], dp[half], scale_log2, lse_e, delta_e, visible, dss,
                                 softcap, cap_k, p_frag + 2 * half, ds_frag + 2 * half);
       }
