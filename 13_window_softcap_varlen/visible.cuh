@@ -119,8 +119,8 @@ __device__ __forceinline__ float softcap_tanh(float x, float k) {
 /* The backward's tanh and its slope 1 - tanh^2 (the derivative of the capped logit by the raw
  * one, times the scale, which the passes apply after), from e = 2^(-|k x|) in [0, 1]:
  * tanh = sign(x k) (1 - e) / (1 + e) and 1 - tanh^2 = 4 e / (1 + e)^2, which does not cancel
- * where |x k| is large (1 - t*t would: at tanh's argument 8 it keeps 6% of its value) and is
- * never NaN, so that a masked element's 0 stays 0. */
+ * where |x k| is large (1 - t*t would: at tanh's argument 8 it is 6% off, at 9 twice the
+ * value, past 9.01 zero) and is never NaN, so that a masked element's 0 stays 0. */
 struct softcap_t {
   float t, slope;
 };

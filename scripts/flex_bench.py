@@ -131,10 +131,9 @@ def flex_case(torch, flex_attention, create_block_mask, kind, n, b, h, d, flush)
     else:
         def mask_mod(b_, h_, q, kv):
             return q >= kv
-    score_mod = None
-    if what == "softcap":
-        def score_mod(score, b_, h_, q, kv):
-            return value * torch.tanh(score / value)
+    def softcap_mod(score, b_, h_, q, kv):
+        return value * torch.tanh(score / value)
+    score_mod = softcap_mod if what == "softcap" else None
     # The backward is timed by repeating it on one graph (retain_graph), which a compiled
     # backward that donates its saved buffers refuses; donation saves memory, not time.
     import torch._functorch.config
@@ -212,7 +211,8 @@ def main():
                 for direction, ms, fl_dir in (("fwd", ms_f, fl), ("bwd", ms_b, 2.5 * fl)):
                     f.write("\t".join(["flex_attention", direction, "fp16", str(b), str(h),
                                        str(n), str(n), str(d), "1", f"{ms:.4f}",
-                                       f"{fl_dir / ms / 1e9:.2f}", "nan", "nan", "nan", "nan", "nan", "none",
+                                       f"{fl_dir / ms / 1e9:.2f}", "nan", "nan", "nan",
+                                       "nan", "nan", "none",
                                        *stamp, *cells]) + "\n")
             print(f"flex_attention {name} d={d}: fwd {ms_f:.3f} ms, bwd {ms_b:.3f} ms")
             torch.cuda.empty_cache()

@@ -155,8 +155,9 @@ def results_table(root):
 # Stages 07 on are split by pass: attention.cu (descriptor, main) includes the pass files and
 # the helper headers, in this reading order. A stage without a file of an earlier stage builds
 # that one (10 and 11 build 09's backward, 12 10's forward).
-PASS_FILES = ["tiles.cuh", "mma.cuh", "hopper.cuh", "forward.cuh", "decode.cuh", "merge.cuh",
-              "delta.cuh", "products.cuh", "backward.cuh", "attention.cu"]
+PASS_FILES = ["tiles.cuh", "mma.cuh", "hopper.cuh", "forward_softmax.cuh", "forward.cuh",
+              "decode.cuh", "merge.cuh", "delta.cuh", "products.cuh", "backward_products.cuh",
+              "backward.cuh", "attention.cu"]
 
 
 def files_of(root, stage):
@@ -194,10 +195,26 @@ def diff_table(root):
             if changed > 200 and b in stages_with_steps(root):
                 note = f" (over 200: shown in pieces by `{b}/steps/`)"
             lines.append(f"| `{a}` | `{b}` | `{command}` | {changed}{note} |")
+        built = included_files(root, fb.values())
         for f in fa:
-            if f and f not in fb:
+            if f and f not in fb and fa[f] in built:
                 lines.append(f"| `{a}` | `{b}` | `{b}` builds `{fa[f]}` | 0 |")
     return "\n".join(lines)
+
+
+def included_files(root, paths):
+    """Every file the given ones include, directly or through others (quoted includes, resolved
+    from the including file's folder), as paths relative to root."""
+    seen, todo = set(), list(paths)
+    while todo:
+        path = os.path.normpath(todo.pop())
+        if path in seen or not os.path.isfile(os.path.join(root, path)):
+            continue
+        seen.add(path)
+        with open(os.path.join(root, path)) as f:
+            for name in re.findall(r'^#include "([^"]+)"', f.read(), re.M):
+                todo.append(os.path.join(os.path.dirname(path), name))
+    return seen
 
 
 def stages_with_steps(root):
