@@ -26,12 +26,23 @@ __device__ void probabilities_and_ds(const float *s, const float *dp, float scal
                                      float ds_scale, float cap, float cap_k, unsigned *p_out,
                                      unsigned *ds_out) {
   float p[4], ds[4];
+  /* One test of the cap for the four elements, not one an element: small per-element
+   * branches may be compiled as predicated code, which would charge the plain backward for
+   * the tanh as well. */
+  if (cap > 0.f) {
 #pragma unroll
-  for (int e = 0; e < 4; e++) {
-    softcap_t capped = cap > 0.f ? softcap_tanh_and_slope(s[e], cap_k) : softcap_t{0.f, 1.f};
-    float x = cap > 0.f ? cap * capped.t : s[e];
-    p[e] = visible[e] ? fminf(1.f, exp2_approx(fmaf(x, scale_log2, -lse[e]))) : 0.f;
-    ds[e] = p[e] * fmaf(dp[e], ds_scale, -delta[e]) * capped.slope;
+    for (int e = 0; e < 4; e++) {
+      softcap_t capped = softcap_tanh_and_slope(s[e], cap_k);
+      float x = cap * capped.t;
+      p[e] = visible[e] ? fminf(1.f, exp2_approx(fmaf(x, scale_log2, -lse[e]))) : 0.f;
+      ds[e] = p[e] * fmaf(dp[e], ds_scale, -delta[e]) * capped.slope;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      p[e] = visible[e] ? fminf(1.f, exp2_approx(fmaf(s[e], scale_log2, -lse[e]))) : 0.f;
+      ds[e] = p[e] * fmaf(dp[e], ds_scale, -delta[e]);
+    }
   }
   p_out[0] = pack2(p[0], p[1], T()), p_out[1] = pack2(p[2], p[3], T());
   ds_out[0] = pack2(ds[0], ds[1], T()), ds_out[1] = pack2(ds[2], ds[3], T());
