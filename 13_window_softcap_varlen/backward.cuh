@@ -26,12 +26,23 @@ __device__ void probabilities_and_ds(const float *s, const float *dp, float scal
                                      float ds_scale, float cap, float cap_k, unsigned *p_out,
                                      unsigned *ds_out) {
   float p[4], ds[4];
+  /* One test of the cap for the four elements, not one an element: small per-element
+   * branches may be compiled as predicated code, which would charge the plain backward for
+   * the tanh as well. */
+  if (cap > 0.f) {
 #pragma unroll
-  for (int e = 0; e < 4; e++) {
-    softcap_t capped = cap > 0.f ? softcap_tanh_and_slope(s[e], cap_k) : softcap_t{0.f, 1.f};
-    float x = cap > 0.f ? cap * capped.t : s[e];
-    p[e] = visible[e] ? fminf(1.f, exp2_approx(fmaf(x, scale_log2, -lse[e]))) : 0.f;
-    ds[e] = p[e] * fmaf(dp[e], ds_scale, -delta[e]) * capped.slope;
+    for (int e = 0; e < 4; e++) {
+      softcap_t capped = softcap_tanh_and_slope(s[e], cap_k);
+      float x = cap * capped.t;
+      p[e] = visible[e] ? fminf(1.f, exp2_approx(fmaf(x, scale_log2, -lse[e]))) : 0.f;
+      ds[e] = p[e] * fmaf(dp[e], ds_scale, -delta[e]) * capped.slope;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; e++) {
+      p[e] = visible[e] ? fminf(1.f, exp2_approx(fmaf(s[e], scale_log2, -lse[e]))) : 0.f;
+      ds[e] = p[e] * fmaf(dp[e], ds_scale, -delta[e]);
+    }
   }
   p_out[0] = pack2(p[0], p[1], T()), p_out[1] = pack2(p[2], p[3], T());
   ds_out[0] = pack2(ds[0], ds[1], T()), ds_out[1] = pack2(ds[2], ds[3], T());
@@ -161,12 +172,14 @@ __global__ void __launch_bounds__(dkdv_threads(D, BC), dkdv_blocks_per_sm(D))
 #pragma unroll
           for (int f = 0; f < KeyFrags; f++) {
             bool visible[4] = {true, true, true, true};
-            if (masked)
+            if (masked) {
+              const key_band band = band_of(vis); /* here, not live across the loop */
 #pragma unroll
               for (int e = 0; e < 4; e++) {
                 int i = i0 + col + e % 2, j = jw + f * MmaM + g + 8 * (e / 2);
-                visible[e] = i < seq.nq && j >= vis.begin(i) && j < vis.end(i);
+                visible[e] = i < seq.nq && j < seq.nkv && band.sees(i, j);
               }
+            }
             probabilities_and_ds<T>(s[q][f][half], dp[q][f][half], scale_log2, lse_e, delta_e,
                                     visible, dss, softcap, cap_k, p_frag[f] + 2 * half,
                                     ds_frag[f] + 2 * half);
@@ -298,12 +311,14 @@ __global__ void __launch_bounds__(threads_for(Br_dq), dq_blocks_per_sm(D))
 #pragma unroll
       for (int half = 0; half < 2; half++) { /* keys 0-7, then 8-15 of the k-step */
         bool visible[4] = {true, true, true, true};
-        if (masked)
+        if (masked) {
+          const key_band band = band_of(vis); /* here, not live across the loop */
 #pragma unroll
           for (int e = 0; e < 4; e++) {
             int i = iw + g + 8 * (e / 2), j = j0 + n2 * 16 + half * MmaN + 2 * tq + e % 2;
-            visible[e] = i < seq.nq && j >= vis.begin(i) && j < vis.end(i);
+            visible[e] = i < seq.nq && j < seq.nkv && band.sees(i, j);
           }
+        }
         probabilities_and_ds<T>(s[half], dp[half], scale_log2, lse_e, delta_e, visible, dss,
                                 softcap, cap_k, p_frag + 2 * half, ds_frag + 2 * half);
       }

@@ -34,6 +34,20 @@ struct visible_keys {
   }
 };
 
+/* The element test of a masked tile from j - i alone: for 0 <= i < nq and 0 <= j < nkv, key
+ * j lies in [begin(i), end(i)) iff j - i lies in [lo, hi], the window's two diagonals
+ * relative to the sequence's (clamped into int: past it, that side bounds nothing). A
+ * subtraction and two compares an element, where begin and end each clamp in 64 bits. */
+struct key_band {
+  int lo, hi;
+  __device__ bool sees(int i, int j) const { return j - i >= lo && j - i <= hi; }
+};
+__device__ inline key_band band_of(const visible_keys &v) {
+  long lo = v.left < 0 ? (long)INT_MIN : (long)v.offset - v.left;
+  long hi = v.right < 0 ? (long)INT_MAX : (long)v.offset + v.right;
+  return {(int)max((long)INT_MIN, lo), (int)min((long)INT_MAX, hi)};
+}
+
 /* Where a sequence's rows are: the packed problem's row of its first query and key, and its
  * lengths. Without varlen every (batch, head) pair is a sequence of all Nq and Nkv rows. */
 struct sequence_rows {
