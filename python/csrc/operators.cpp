@@ -581,15 +581,16 @@ class MaskedAttention : public torch::autograd::Function<MaskedAttention> {
     auto [o, lse] = forward_masked_op().call(q, k, v, stage, causal, scale, window_left,
                                              window_right, softcap, cu_seqlens_q, cu_seqlens_k,
                                              max_seqlen_q, max_seqlen_k, deterministic, seq_major);
-    ctx->save_for_backward({q, k, v, o, lse});
+    /* The offsets as saved tensors (undefined without varlen), so that autograd refuses a
+     * backward after they were changed in place instead of running it on new offsets. */
+    ctx->save_for_backward({q, k, v, o, lse, cu_seqlens_q.value_or(at::Tensor()),
+                            cu_seqlens_k.value_or(at::Tensor())});
     ctx->saved_data["stage"] = stage;
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["window_left"] = window_left;
     ctx->saved_data["window_right"] = window_right;
     ctx->saved_data["softcap"] = softcap;
-    ctx->saved_data["cu_seqlens_q"] = cu_seqlens_q;
-    ctx->saved_data["cu_seqlens_k"] = cu_seqlens_k;
     ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
     ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
     ctx->saved_data["deterministic"] = deterministic;
@@ -609,14 +610,16 @@ class MaskedAttention : public torch::autograd::Function<MaskedAttention> {
     if (!grads[0].defined()) return out; /* O took no part in the loss */
     auto saved = ctx->get_saved_variables();
     auto &data = ctx->saved_data;
+    auto offsets = [](const at::Tensor &t) {
+      return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+    };
     std::optional<at::AutoDispatchBelowADInplaceOrView> below_autograd; /* as Attention's */
     if (!at::GradMode::is_enabled()) below_autograd.emplace();
     auto [dq, dk, dv] = op.call(
         grads[0], saved[0], saved[1], saved[2], saved[3], saved[4], data["stage"].toStringRef(),
         data["causal"].toBool(), data["scale"].toDouble(), data["window_left"].toInt(),
         data["window_right"].toInt(), data["softcap"].toDouble(),
-        data["cu_seqlens_q"].toOptional<at::Tensor>(),
-        data["cu_seqlens_k"].toOptional<at::Tensor>(), data["max_seqlen_q"].toInt(),
+        offsets(saved[5]), offsets(saved[6]), data["max_seqlen_q"].toInt(),
         data["max_seqlen_k"].toInt(), data["deterministic"].toBool(), data["seq_major"].toBool());
     out[0] = dq;
     out[1] = dk;

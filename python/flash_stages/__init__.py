@@ -41,6 +41,7 @@ they were at capture, and last_call is not updated.
 import collections.abc
 import ctypes
 import math
+import numbers
 import operator
 import os
 import re
@@ -561,10 +562,10 @@ def _window_and_softcap(window_size, softcap, causal):
                                f"(unbounded) or >= 0, got {window_size!r}")
     # A side past the stages' largest size (2^24 rows) bounds nothing: clamped, it fits an int.
     left, right = min(left, _MAX_DIM), min(right, _MAX_DIM)
-    try:
+    # A real number only: float() would take True, and "5" or "0" (silently no cap).
+    cap = math.nan
+    if isinstance(softcap, numbers.Real) and not isinstance(softcap, bool):
         cap = float(softcap)
-    except (TypeError, ValueError):
-        cap = math.nan
     if not (cap == 0.0 or _FP32_MIN_NORMAL <= cap <= _FP32_MAX):  # NaN fails too
         raise FlashStagesError(f"softcap must be 0 (none) or a positive number within fp32's "
                                f"range, got {softcap!r}")
@@ -1276,7 +1277,8 @@ def _setup_masked_context(ctx, inputs, output):
     (q, k, v, stage, causal, scale, left, right, softcap, cu_q, cu_k, max_q, max_k,
      deterministic) = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)  # the offsets: None without varlen
+    # The offsets (None without varlen) as saved tensors: see _MaskedAttention.forward.
+    ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
     ctx.stage, ctx.causal, ctx.scale, ctx.deterministic = stage, causal, scale, deterministic
     ctx.masks = (left, right, softcap, max_q, max_k)
     ctx.mark_non_differentiable(lse)  # as _setup_context
@@ -1303,8 +1305,14 @@ class _MaskedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, stage, causal, scale, deterministic, mask):
         o, lse = _run_forward(q, k, v, stage, causal, scale, mask=mask)
-        _setup_context(ctx, (q, k, v, stage, causal, scale, deterministic), (o, lse))
-        ctx.mask = mask
+        left, right, softcap, cu_q, cu_k, max_q, max_k = mask
+        # The offsets are saved as tensors, so that autograd refuses a backward after they
+        # were changed in place (a reused graph buffer) instead of running it on new offsets.
+        ctx.save_for_backward(q, k, v, o, lse, cu_q, cu_k)
+        ctx.stage, ctx.causal, ctx.scale, ctx.deterministic = stage, causal, scale, deterministic
+        ctx.masks = (left, right, softcap, max_q, max_k)
+        ctx.mark_non_differentiable(lse)  # as _setup_context
+        ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
@@ -1312,9 +1320,11 @@ class _MaskedAttention(torch.autograd.Function):
     def backward(ctx, d_o, d_lse):
         if d_o is None:  # O took no part in the loss
             return (None,) * 8
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, cu_q, cu_k = ctx.saved_tensors
+        left, right, softcap, max_q, max_k = ctx.masks
         dq, dk, dv = _run_backward(d_o, q, k, v, o, lse, ctx.stage, ctx.causal, ctx.scale,
-                                   ctx.deterministic, ctx.mask)
+                                   ctx.deterministic,
+                                   (left, right, softcap, cu_q, cu_k, max_q, max_k))
         return (dq, dk, dv) + (None,) * 5
 
 

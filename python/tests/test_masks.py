@@ -342,6 +342,19 @@ def test_varlen_reads_in_place_and_without_keys():
     assert (dq == 0).all()
 
 
+def test_varlen_offsets_changed_before_the_backward_raise():
+    """The offsets are saved for the backward as tensors: changed in place after the forward
+    (a reused buffer), the backward raises autograd's error instead of running on them."""
+    lens = [30, 70]
+    q, k, v, d_o = make((100, 2, 64), (100, 2, 64), torch.float16)
+    q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+    cu = offsets(lens)
+    out = fs.flash_attn_varlen_func(q, k, v, cu, cu, 70, 70, causal=True)
+    cu.add_(0)  # the same values, a new version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out, (q, k, v), d_o)
+
+
 def test_varlen_graph_replays_with_new_offsets():
     """A varlen forward captured in a CUDA graph (the offsets read on the device only: a host
     read would fail the capture) replays on new tokens and new offsets written into the
@@ -440,7 +453,7 @@ def test_bad_masks_are_clear_errors(monkeypatch):
     for window in ((-2, 0), (3,), "ab", (1.5, 2), (True, 0), (0, -7)):
         with pytest.raises(fs.FlashStagesError, match="window_size must be two ints"):
             fs.flash_attn_func(q, k, v, window_size=window)
-    for cap in (-1.0, -1e-9, 1e-40, float("nan"), float("inf"), "x"):
+    for cap in (-1.0, -1e-9, 1e-40, float("nan"), float("inf"), "x", "5", "0", True):
         with pytest.raises(fs.FlashStagesError, match="softcap must be 0"):
             fs.flash_attn_func(q, k, v, softcap=cap)
     with pytest.raises(fs.FlashStagesError, match="grouped-query attention with a sliding"):
