@@ -1,6 +1,6 @@
 set terminal pngcairo size 1200,640 font 'sans,11'
 set output '13_masks.png'
-set title "Stage 13 beside FlexAttention: window 4096, softcap 50, varlen (fp16, causal)\n{/*0.8 NVIDIA H200, CUDA 13.0, 2026-11-30; TFLOP/s of the visible pairs}"
+set title "Stage 13 beside FlexAttention: window 4096, softcap 50, varlen (fp16, causal)\n{/*0.8 NVIDIA H200, CUDA 13.0, 2026-12-01; TFLOP/s of the visible pairs}"
 set ylabel 'TFLOP/s'
 set grid ytics
 set yrange [0:*]
