@@ -6,6 +6,7 @@
  * registers, and a producer warpgroup feeding two consumer warpgroups (backward.cuh).
  */
 #include "../09_swizzle_pipeline/backward.cuh"
+#include "../10_hopper_wgmma/forward.cuh"
 #include "attention.h"
 #include "backward.cuh"
 #include "gpu.h"

@@ -4,7 +4,7 @@
  * them over the query tiles. */
 #pragma once
 
-#include "../10_hopper_wgmma/forward.cuh"
+#include "../10_hopper_wgmma/forward_softmax.cuh"
 
 /* Keys per block: two consumer warpgroups of WgmmaM keys, the M of S^T = K Q^T. */
 constexpr int HbConsumers = 2, HbKeys = HbConsumers * WgmmaM;
