@@ -7,13 +7,15 @@ import subprocess
 STAGES = ["00_naive", "01_cpu_tiled", "02_online_softmax", "03_cuda_forward",
           "04_shared_memory", "05_causal", "06_backward", "07_tensor_cores",
           "08_mma_sync", "09_swizzle_pipeline", "10_hopper_wgmma", "11_split_kv_decode",
-          "12_hopper_backward", "13_window_softcap_varlen"]
+          "12_hopper_backward", "13_window_softcap_varlen", "14_hopper_window"]
 # The stage each stage is a diff of, where it is not the one before it: 11 builds on 09, the
 # fastest stage every GPU of compute capability 8.0+ runs, not on the Hopper-only 10; 12 on
 # 10, whose forward it keeps; 13 on 09, so that windows, softcap and varlen run on every GPU
-# of compute capability 8.0+.
+# of compute capability 8.0+; 14 on 12, whose backward (and 10's forward) it gives 13's
+# windows.
 PARENT = {"11_split_kv_decode": "09_swizzle_pipeline", "12_hopper_backward": "10_hopper_wgmma",
-          "13_window_softcap_varlen": "09_swizzle_pipeline"}
+          "13_window_softcap_varlen": "09_swizzle_pipeline",
+          "14_hopper_window": "12_hopper_backward"}
 BASELINES = ["cublas_baseline"]
 
 # The result folders the README's table and the GPU plots' CPU bars come from: the devices

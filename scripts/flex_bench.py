@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Stage 13 (windows, softcap, varlen) beside PyTorch's FlexAttention with the same masks and
 score modification, compiled, and beside stage 09 on dense work of the same kind, in one
-process on one GPU: the comparison 13's README quotes.
+process on one GPU: the comparison 13's README quotes; and on a Hopper GPU stage 14 (13's
+windows on 10's and 12's kernels) on the window, beside 12's dense causal runs.
 
     python3 scripts/flex_bench.py --bin build/bin --out OUT
 
@@ -9,7 +10,9 @@ Cases (fp16, FlashAttention's sizes: 16384 tokens a batch, H = 2048 / d, d = 64 
   - window: causal with a window of 4096 keys on the left, N = 16384;
   - softcap: a cap of 50, causal, N = 4096 (B = 4) and N = 16384 (B = 1);
   - varlen: causal packed sequences of lengths drawn from 128-8192 (seeded), 16384 tokens;
-and 09 causal at N = 4096 and 16384, the dense yardstick of the same tokens.
+and 09 causal at N = 4096 and 16384, the dense yardstick of the same tokens; 09 causal on each
+packed sequence alone (B = 1, N its length), whose summed time does the same visible pairs as
+the packed run; 12 causal at N = 16384 where 14 runs.
 
 Timing: the stage programs time themselves (`--bench --backward`: CUDA events, warm-ups, the
 median, the L2 flushed before each repeat; common/runner.c); FlexAttention is timed the same
@@ -20,8 +23,9 @@ FLOP count is the harness's: the visible (query, key) pairs with a window or var
 
 Output: OUT/rows/masks.tsv, compare_pytorch's columns (the last four: window, softcap,
 seqlens, seqlens_kv), the stage programs' rows and FlexAttention's (stage `flex_attention`),
-and a ratio table on stdout: each 13 case's time over FlexAttention's, and its TFLOP/s over
-09's at the same N and d. Without PyTorch, FlexAttention, a CUDA device or the programs: one
+and a ratio table on stdout: each 13 (and 14) case's time over FlexAttention's, and its
+TFLOP/s over 09's (14's over 12's) at the same N and d; for varlen also 13's time over the
+sum of 09's times on the sequences alone. Without PyTorch, FlexAttention, a CUDA device or the programs: one
 "skipped" line, exit 0.
 """
 import argparse
@@ -37,6 +41,8 @@ import compare_pytorch  # noqa: E402  (its HEADER and timed_median: one conventi
 from sweep import HIDDEN, TOKENS  # noqa: E402
 
 WINDOW, CAP = 4096, 50.0
+STAGE09, STAGE12 = "09_swizzle_pipeline", "12_hopper_backward"
+STAGE13, STAGE14 = "13_window_softcap_varlen", "14_hopper_window"
 LENGTHS = (128, 8192)  # the range varlen's lengths are drawn from
 SEED = 13
 
@@ -98,21 +104,32 @@ def summary(tsv, today):
         rows = [r for r in csv.DictReader(f, delimiter="\t") if r["date"] == today]
     key = ("direction", "B", "H", "Nq", "d", "window", "softcap", "seqlens")
     flex = {tuple(r[c] for c in key): r for r in rows if r["stage"] == "flex_attention"}
-    dense = {(r["direction"], r["Nq"], r["d"]): r for r in rows
-             if r["stage"] == "09_swizzle_pipeline"}
-    print("| case | d | pass | 13 ms | FlexAttention ms | time vs Flex | TFLOP/s vs 09 |")
-    print("|---|---|---|---|---|---|---|")
+    yardstick = {STAGE13: STAGE09, STAGE14: STAGE12}
+    dense = {(r["stage"], r["direction"], r["B"], r["Nq"], r["d"]): r for r in rows
+             if r["stage"] in yardstick.values()}
+    print("| stage | case | d | pass | ms | FlexAttention ms | time vs Flex | TFLOP/s vs dense "
+          "(09; 14: 12) | time vs 09 on the sequences alone |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        if r["stage"] != "13_window_softcap_varlen":
+        if r["stage"] not in yardstick:
             continue
-        fx, yard = flex.get(tuple(r[c] for c in key)), dense.get((r["direction"], r["Nq"], r["d"]))
+        fx = flex.get(tuple(r[c] for c in key))
+        yard = dense.get((yardstick[r["stage"]], r["direction"], str(TOKENS // int(r["Nq"])),
+                          r["Nq"], r["d"]))
         case = ("window" if r["window"] != "-" else "softcap" if r["softcap"] != "-" else
                 "varlen" if r["seqlens"] != "-" else "plain")
         ratio = f"{float(r['ms']) / float(fx['ms']):.2f}" if fx else "-"
-        vs09 = f"{float(r['tflops']) / float(yard['tflops']):.2f}" if yard else "-"
+        vs_dense = f"{float(r['tflops']) / float(yard['tflops']):.2f}" if yard else "-"
+        alone = "-"
+        if case == "varlen":
+            parts = [dense.get((STAGE09, r["direction"], "1", n, r["d"]))
+                     for n in r["seqlens"].split(",")]
+            if all(parts):
+                alone = f"{float(r['ms']) / sum(float(x['ms']) for x in parts):.2f}"
         fx_ms = f"{float(fx['ms']):.3f}" if fx else "-"
-        print(f"| {case} N={r['Nq']} B={r['B']} | {r['d']} | {r['direction']} | "
-              f"{float(r['ms']):.3f} | {fx_ms} | {ratio} | {vs09} |")
+        print(f"| {r['stage'][:2]} | {case} N={r['Nq']} B={r['B']} | {r['d']} | "
+              f"{r['direction']} | {float(r['ms']):.3f} | {fx_ms} | {ratio} | {vs_dense} | "
+              f"{alone} |")
 
 
 def flex_case(torch, flex_attention, create_block_mask, kind, n, b, h, d, flush):
@@ -161,11 +178,11 @@ def main():
     ap.add_argument("--out", required=True, help="rows go to OUT/rows/masks.tsv")
     ap.add_argument("--dims", type=int, nargs="*", default=[64, 128])
     a = ap.parse_args()
-    stage13 = os.path.join(a.bin, "13_window_softcap_varlen")
-    stage09 = os.path.join(a.bin, "09_swizzle_pipeline")
+    stage13, stage09 = os.path.join(a.bin, STAGE13), os.path.join(a.bin, STAGE09)
     for p in (stage13, stage09):
         if not os.access(p, os.X_OK):
             skipped(f"no {p}")
+    stage14, stage12 = os.path.join(a.bin, STAGE14), os.path.join(a.bin, STAGE12)
     try:
         import torch
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -180,16 +197,27 @@ def main():
                         device="cuda")
     stamp = (prop.name, str(prop.multi_processor_count), torch.version.cuda,
              datetime.date.today().isoformat())
+    # 14 and 12 are built for sm_90a: run where the GPU is 9.0 and the programs exist.
+    hopper = (torch.cuda.get_device_capability(0) == (9, 0) and
+              all(os.access(p, os.X_OK) for p in (stage14, stage12)))
     for d in a.dims:
         h = HIDDEN // d
         for n in sorted({n for _, n, _, _, _ in cases()}):
             run_program(stage09, ["--causal", "-b", str(TOKENS // n), "-H", str(h), "-n",
                                   str(n), "-d", str(d), "--tsv", tsv])
+        if hopper:
+            run_program(stage12, ["--causal", "-b", "1", "-H", str(h), "-n", str(TOKENS), "-d",
+                                  str(d), "--tsv", tsv])
+        for n in varlen_lengths(TOKENS):  # 09 on each packed sequence alone
+            run_program(stage09, ["--causal", "-b", "1", "-H", str(h), "-n", str(n), "-d",
+                                  str(d), "--tsv", tsv])
         for name, n, b, opts, kind in cases():
             shape = ["-H", str(h), "-d", str(d), "--tsv", tsv]
             if kind[0] != "varlen":
                 shape += ["-b", str(b), "-n", str(n)]
             run_program(stage13, opts + shape)
+            if hopper and kind[0] == "window":
+                run_program(stage14, opts + shape)
             try:
                 ms_f, ms_b = flex_case(torch, flex_attention, create_block_mask, kind, n, b, h,
                                        d, flush)

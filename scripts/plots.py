@@ -351,11 +351,12 @@ def call_overhead(result_dir, out_dir):
         "set yrange [10:*]\n", plotted)
 
 
-# Stage 13 beside FlexAttention with the same masks and softcap, compiled, and beside 09's
+# Stages 13 and 14 beside FlexAttention with the same masks and softcap, compiled, and beside 09's
 # dense causal runs of as many tokens, its yardstick (scripts/flex_bench.py, one process):
 # TFLOP/s of the visible (query, key) pairs, each case forward and backward.
 MASK_BARS = [("13_window_softcap_varlen", "stage 13"), ("flex_attention", "FlexAttention"),
-             ("09_swizzle_pipeline", "09, dense causal, as many tokens")]
+             ("09_swizzle_pipeline", "09, dense causal, as many tokens"),
+             ("14_hopper_window", "stage 14 (Hopper: the window)")]
 CASES = ["window", "softcap", "varlen"]
 
 
@@ -367,11 +368,13 @@ def masks(result_dir, out_dir):
     def case(r):
         return next((name for name, col in (("window", "window"), ("softcap", "softcap"),
                                             ("varlen", "seqlens")) if r[col] != "-"), None)
+    # 09's dense rows of as many tokens as each case (B = 16384 / N); its rows on each packed
+    # sequence alone, and 12's dense rows (14's yardstick), are for flex_bench's table only.
     dense = {(r["direction"], r["Nq"], r["d"]): r["tflops"] for r in rows
-             if r["stage"] == MASK_BARS[2][0]}
+             if r["stage"] == MASK_BARS[2][0] and int(r["B"]) * int(r["Nq"]) == 16384}
     value, points = {}, []
     for r in rows:
-        if r["stage"] == MASK_BARS[2][0]:
+        if r["stage"] not in (MASK_BARS[0][0], MASK_BARS[1][0], MASK_BARS[3][0]):
             continue
         point = (int(r["d"]), r["direction"] == "bwd", CASES.index(case(r)), int(r["Nq"]))
         value[(r["stage"],) + point] = r["tflops"]
@@ -390,7 +393,7 @@ def masks(result_dir, out_dir):
     plotted = [f"'{rel}' using {k + 2}:xtic(1) title '{name}' lc rgb '{COLORS[k]}'"
                for k, (_, name) in enumerate(MASK_BARS)]
     return histogram_script(
-        out, "Stage 13 beside FlexAttention: window 4096, softcap 50, varlen (fp16, causal)"
+        out, "Stages 13 and 14 beside FlexAttention: window 4096, softcap 50, varlen (fp16, causal)"
         f"\\n{{/*0.8 {stamp(rows)}; TFLOP/s of the visible pairs}}",
         "set ylabel 'TFLOP/s'\nset grid ytics\nset yrange [0:*]\n", plotted)
 

@@ -154,7 +154,7 @@ def results_table(root):
 
 # Stages 07 on are split by pass: attention.cu (descriptor, main) includes the pass files and
 # the helper headers, in this reading order. A stage without a file of an earlier stage builds
-# that one (10 and 11 build 09's backward, 12 10's forward).
+# that one (10 and 11 build 09's backward, 12 10's forward, 14 12's products).
 PASS_FILES = ["tiles.cuh", "mma.cuh", "hopper.cuh", "forward_softmax.cuh", "forward.cuh",
               "decode.cuh", "merge.cuh", "delta.cuh", "products.cuh", "backward_products.cuh",
               "backward.cuh", "attention.cu"]
@@ -188,7 +188,7 @@ def diff_table(root):
         elif "" in fa:
             rows = [f"diff -u {fa['']} {fb['']}"]
         else:
-            rows = [f"diff -u {fa.get(f, '/dev/null')} {fb[f]}" for f in fb]
+            rows = [f"diff -u {earlier_file(root, fa, fb, f)} {fb[f]}" for f in fb]
         for command in rows:
             changed = changed_lines(root, command)
             note = "" if changed <= 200 else " (over 200: see the stage README)"
@@ -200,6 +200,21 @@ def diff_table(root):
             if f and f not in fb and fa[f] in built:
                 lines.append(f"| `{a}` | `{b}` | `{b}` builds `{fa[f]}` | 0 |")
     return "\n".join(lines)
+
+
+def earlier_file(root, fa, fb, f):
+    """What stage b's file f is a diff of: the parent's file f; else one the parent builds from
+    an earlier stage (14's forward.cuh: the 10_hopper_wgmma/forward.cuh that 12 builds), unless
+    b builds a file of that name from elsewhere too (12's backward.cuh is new beside the 09
+    backward.cuh it builds); else none."""
+    if f in fa:
+        return fa[f]
+    mine = set(fb.values())
+    if any(os.path.basename(p) == f and p not in mine
+           for p in included_files(root, fb.values())):
+        return "/dev/null"
+    built = sorted(p for p in included_files(root, fa.values()) if os.path.basename(p) == f)
+    return built[-1] if built else "/dev/null"
 
 
 def included_files(root, paths):

@@ -72,7 +72,8 @@ HALF_STAGES = ("07_tensor_cores", "08_mma_sync", "09_swizzle_pipeline", "10_hopp
                "11_split_kv_decode", "12_hopper_backward")
 # Stages built for one architecture only (sm_90a): the compute capability they need. The
 # program would exit on any other GPU; here the call is refused (or falls back) instead.
-_NEEDS_CAPABILITY = {"10_hopper_wgmma": (9, 0), "12_hopper_backward": (9, 0)}
+_NEEDS_CAPABILITY = {"10_hopper_wgmma": (9, 0), "12_hopper_backward": (9, 0),
+                     "14_hopper_window": (9, 0)}
 # Every stage is built for compute capability 8.0 and later (docs/conventions.md section 6).
 _MIN_CAPABILITY = (8, 0)
 # The largest sizes the stage programs accept (common/runner.c): each dimension, and the

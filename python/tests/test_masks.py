@@ -1,5 +1,6 @@
 """flash_attn_func's window_size and softcap, and flash_attn_varlen_func (stage
-13_window_softcap_varlen), against PyTorch: each forward and backward, fp16 and bf16, against
+13_window_softcap_varlen; a window alone on stage 14_hopper_window where it runs), against
+PyTorch: each forward and backward, fp16 and bf16, against
 float64 attention built from an explicit mask of section 1's definitions (docs/conventions.md),
 by the half-precision rule test_sdpa.py uses (the error at most m times that of a plain
 same-precision attention on the same inputs, plus a rounding floor; the gradients are
@@ -35,6 +36,11 @@ except Exception as e:
 STAGE = "13_window_softcap_varlen"
 if STAGE not in fs.stages():
     pytest.skip(f"{STAGE} is not loaded", allow_module_level=True)
+# The stage a window without softcap or varlen takes: Hopper's, where it loads and runs.
+HOPPER_WINDOW = "14_hopper_window"
+WINDOW_STAGE = (HOPPER_WINDOW if HOPPER_WINDOW in fs.stages()
+                and torch.cuda.get_device_capability() == (9, 0) else STAGE)
+MASKED_STAGES = (STAGE, HOPPER_WINDOW)
 
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
@@ -182,19 +188,31 @@ def case_id(c):
             f"{'_softcap%g' % softcap if softcap else ''}{'_x%d' % amp if amp != 1 else ''}")
 
 
-@pytest.mark.parametrize("case", CASES, ids=case_id)
+def expected_stage(window, softcap):
+    return WINDOW_STAGE if softcap == 0 else STAGE
+
+
+# Each case as the default choice takes it; a window alone also on stage 13 by name where the
+# default is 14, so that both stages' windows are checked here.
+PICKS = [(c, None) for c in CASES] + [(c, STAGE) for c in CASES
+                                      if expected_stage(c[6], c[7]) != STAGE]
+
+
+@pytest.mark.parametrize("case,stage", PICKS,
+                         ids=[case_id(c) + ("" if s is None else "_" + s[:2]) for c, s in PICKS])
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_window_and_softcap_by_the_rule(case, dtype):
-    """flash_attn_func with window_size and softcap runs on stage 13 and its O, LSE, dQ, dK and
-    dV keep the half-precision rule against float64 autograd over the explicit mask."""
+def test_window_and_softcap_by_the_rule(case, stage, dtype):
+    """flash_attn_func with window_size and softcap runs on stage 13 (a window alone on 14 where
+    it runs) and its O, LSE, dQ, dK and dV keep the half-precision rule against float64
+    autograd over the explicit mask."""
     b, sq, sk, h, d, causal, window, softcap, amp = case
     tdt = DTYPES[dtype]
     q, k, v, d_o = make((b, sq, h, d), (b, sk, h, d), tdt, amplitude=amp)
     scale = 1 / math.sqrt(d)
     qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
     out, lse = fs.flash_attn_func(qg, kg, vg, causal=causal, window_size=window, softcap=softcap,
-                                  return_lse=True)
-    assert fs.last_call["stage"] == STAGE
+                                  return_lse=True, stage=stage)
+    assert fs.last_call["stage"] == (stage or expected_stage(window, softcap))
     assert out.shape == q.shape and lse.shape == (b, h, sq) and lse.dtype == torch.float32
     grads = torch.autograd.grad(out, (qg, kg, vg), d_o)
     right = 0 if causal else window[1]  # FlashAttention's rule, which the stage keeps too
@@ -210,16 +228,36 @@ def test_causal_window_rules():
     on the plain stage that call takes), and (-1, -1) with softcap 0 is the plain call."""
     q, k, v, _ = make((1, 130, 2, 64), (1, 150, 2, 64), torch.float16)
     a = fs.flash_attn_func(q, k, v, causal=True, window_size=(5, 7))
-    assert fs.last_call["stage"] == STAGE
+    assert fs.last_call["stage"] == WINDOW_STAGE
     assert torch.equal(a, fs.flash_attn_func(q, k, v, causal=True, window_size=(5, 0)))
     causal = fs.flash_attn_func(q, k, v, causal=True)
     plain_stage = fs.last_call["stage"]
-    assert plain_stage != STAGE, "a plain causal call took the masked stage"
+    assert plain_stage not in MASKED_STAGES, "a plain causal call took a masked stage"
     assert torch.equal(fs.flash_attn_func(q, k, v, window_size=(-1, 0)), causal)
     assert fs.last_call["stage"] == plain_stage
     plain = fs.flash_attn_func(q, k, v)
     assert torch.equal(fs.flash_attn_func(q, k, v, window_size=[-1, -1], softcap=0), plain)
-    assert fs.last_call["stage"] != STAGE
+    assert fs.last_call["stage"] not in MASKED_STAGES
+
+
+def test_window_with_grouped_query_heads():
+    """Stage 14 takes a window with fewer key/value heads than query heads (13 has none): the
+    same bits as the call with k and v repeated to every query head, forward, and dQ with the
+    deterministic path. (Its dK and dV sums over each group are checked against float64 by the
+    stage's own CTest cases.)"""
+    if WINDOW_STAGE != HOPPER_WINDOW:
+        pytest.skip(f"{HOPPER_WINDOW} is not loaded or this GPU is not compute capability 9.0")
+    q, k, v, d_o = make((2, 300, 8, 64), (2, 280, 2, 64), torch.float16)
+    rep = [x.repeat_interleave(4, dim=2) for x in (k, v)]
+    grads = []
+    for keys, values in ((k, v), rep):
+        qg = q.detach().requires_grad_(True)
+        out = fs.flash_attn_func(qg, keys, values, causal=True, window_size=(100, 0),
+                                 deterministic=True)
+        assert fs.last_call["stage"] == HOPPER_WINDOW
+        grads.append((out, torch.autograd.grad(out, qg, d_o)[0]))
+    assert torch.equal(grads[0][0], grads[1][0]), "O differs from the repeated heads'"
+    assert torch.equal(grads[0][1], grads[1][1]), "dQ differs from the repeated heads'"
 
 
 def test_masked_calls_read_in_place():
@@ -447,7 +485,7 @@ def test_softcap_reference_gradcheck():
 def test_bad_masks_are_clear_errors(monkeypatch):
     """A window_size that is not two ints of -1 or more, a softcap that is negative, NaN or
     outside fp32's normal range (below it the cap would round to 0: none), GQA with a window
-    (stage 13 has none), a named stage without the option, and no loaded stage with it: one
+    where no stage with a window has it (stage 13 has none), a named stage without the option, and no loaded stage with it: one
     FlashStagesError each."""
     q, k, v, _ = make((1, 64, 4, 64), (1, 64, 4, 64), torch.float16)
     for window in ((-2, 0), (3,), "ab", (1.5, 2), (True, 0), (0, -7)):
@@ -456,8 +494,9 @@ def test_bad_masks_are_clear_errors(monkeypatch):
     for cap in (-1.0, -1e-9, 1e-40, float("nan"), float("inf"), "x", "5", "0", True):
         with pytest.raises(fs.FlashStagesError, match="softcap must be 0"):
             fs.flash_attn_func(q, k, v, softcap=cap)
-    with pytest.raises(fs.FlashStagesError, match="grouped-query attention with a sliding"):
-        fs.flash_attn_func(q, k[:, :, :2], v[:, :, :2], window_size=(8, 8))
+    if WINDOW_STAGE == STAGE:  # 14, which has grouped-query heads, is not loaded or not run
+        with pytest.raises(fs.FlashStagesError, match="grouped-query attention with a sliding"):
+            fs.flash_attn_func(q, k[:, :, :2], v[:, :, :2], window_size=(8, 8))
     with pytest.raises(fs.FlashStagesError, match="grouped-query attention with a sliding"):
         fs.flash_attn_func(q, k[:, :, :1], v[:, :, :1], softcap=5.0, stage=STAGE)
     with pytest.raises(fs.FlashStagesError, match="dropout"):
