@@ -385,8 +385,7 @@ static void launch_hopper_backward(const attn_problem *p, const attn_buffers *t)
   unsigned blocks = (unsigned)((p->seq_kv + HbKeys - 1) / HbKeys * kv_heads);
   hopper_backward_kernel<D, T><<<blocks, HbThreads, bytes, attn_stream()>>>(
       q_map, k_map, v_map, do_map, t->lse, delta, ds_stats, (T *)t->dk, (T *)t->dv, dq_accum, turns,
-      kvs, p->seq_q, p->seq_kv, kv_heads, attn_group(p), p->scale, window_left(p),
-      window_right(p));
+      kvs, p->seq_q, p->seq_kv, kv_heads, attn_group(p), p->scale, window_left(p), window_right(p));
   CHECK_LAUNCH("hopper_backward_kernel");
   const int convert_threads = 256; /* a memory-bound pass: any full-warp count will do */
   long tiles = tile_floats / (hb_rows(D) * D);
