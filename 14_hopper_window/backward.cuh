@@ -60,79 +60,6 @@ __device__ void probabilities_t(float (*s)[4], const float *lse_s, float scale_l
   }
 }
 
-/* The block's shared memory, each tile on an atom boundary: K and V (HbKeys rows), the ring of
- * Q and dO tiles (Rows rows) and of their rows' LSE and D, dS^T (HbKeys rows of Rows queries,
- * in boxes of DsBoxRows) in HbDsBuffers, each consumer's fp32 part of dQ, and the
- * mbarriers. */
-template <int D, typename T>
-struct HbLayout {
-  static constexpr int Rows = hb_rows(D), Stages = hb_stages(D);
-  static constexpr size_t key_tile = (size_t)HbKeys * D * sizeof(T);
-  static constexpr size_t row_tile = (size_t)Rows * D * sizeof(T);
-  static constexpr size_t ds_tile = (size_t)HbKeys * Rows * sizeof(T);
-  static constexpr size_t dq_part = (size_t)Rows * D / HbConsumers * sizeof(float);
-  static constexpr size_t k = 0, v = k + key_tile, q = v + key_tile;
-  static constexpr size_t d_o = q + Stages * row_tile, ds = d_o + Stages * row_tile;
-  static constexpr size_t dq = ds + HbDsBuffers * ds_tile;
-  static constexpr size_t stats = dq + HbConsumers * dq_part; /* LSE, D: Rows floats each */
-  static constexpr size_t barriers = stats + Stages * 2 * Rows * sizeof(float);
-  static constexpr size_t bytes = barriers + (1 + 2 * Stages) * sizeof(uint64_t) + AtomAlignment;
-  static_assert(DsBoxRows * sizeof(T) == 128 && Rows % DsBoxRows == 0,
-                "a key's row of dS^T is whole 128-byte swizzled boxes");
-  static_assert(key_tile % AtomAlignment == 0 && row_tile % AtomAlignment == 0 &&
-                    ds_tile % AtomAlignment == 0 && dq_part % AtomAlignment == 0,
-                "every tile starts on an atom boundary");
-  static_assert(bytes <= 227 * 1024, "within the 227 KiB a block of an H100 or H200 may opt into");
-};
-
-/* The fp32 dQ of a query tile lives in global memory in the consumers' register order, not
- * row by row: element e of accumulator n of thread x (of WarpgroupThreads) of consumer c is
- * float c Rows D / 2 + n 4 WarpgroupThreads + 4 x + e of the tile's Rows D floats. A warp's float4
- * stores into shared memory are then whole lines, with no bank conflict, and the tile is one
- * contiguous block that one bulk copy adds into global memory. convert_dq_tiles puts the rows back
- * in order. */
-template <int N_ACCS>
-__device__ void store_dq_part(const float (*dq)[4], float *part) {
-  int x = threadIdx.x % WarpgroupThreads;
-#pragma unroll
-  for (int n = 0; n < N_ACCS; n++)
-    *reinterpret_cast<float4 *>(part + n * 4 * WarpgroupThreads + 4 * x) =
-        make_float4(dq[n][0], dq[n][1], dq[n][2], dq[n][3]);
-}
-
-/* The copy engine's reduction: bytes of fp32 in shared memory added element by element into
- * global memory (PTX ISA: cp.reduce.async.bulk), one bulk group a call; wait_read<N> returns
- * when all but N groups have read their shared memory, wait_done<N> when they are complete. */
-__device__ void bulk_add_f32(float *dst, const float *src, unsigned bytes) {
-  asm volatile(
-      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-      "cp.async.bulk.commit_group;" ::"l"(dst),
-      "r"(shared_address(src)), "r"(bytes)
-      : "memory");
-}
-__device__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-__device__ void bulk_wait_done() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-/* Orders this thread's shared-memory writes before the copy engine's and tensor cores' reads
- * of them (they read through the async proxy). */
-__device__ void fence_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-/* The deterministic path: a query tile's dQ sums its key blocks in their order. Key block kb
- * adds its part once the counter of (query head, tile, consumer) says kb blocks have added,
- * and moves it on when its addition is complete. Lower key blocks have lower block indices
- * for the same head, so they are running or done: the wait ends. */
-__device__ void wait_turn(const int *counter, int turn) {
-  int seen;
-  do asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
-  while (seen != turn);
-  asm volatile("fence.proxy.async.global;" ::: "memory"); /* before the copy engine's adds */
-}
-__device__ void pass_turn(int *counter, int next) {
-  asm volatile("fence.proxy.async.global;" ::: "memory"); /* the adds, before the release */
-  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(counter), "r"(next) : "memory");
-}
-
 template <int D, typename T>
 __global__ void __launch_bounds__(HbThreads, 1)
     hopper_backward_kernel(const __grid_constant__ CUtensorMap q_map,
@@ -317,49 +244,6 @@ __global__ void __launch_bounds__(HbThreads, 1)
                    dk + row_start(kvs, bh_kv, jw), nkv - jw, kvs.row);
   store_tile<D, 1>(reinterpret_cast<const float(*)[D / MmaN][4]>(dv_acc), dv_factor,
                    dv + row_start(kvs, bh_kv, jw), nkv - jw, kvs.row);
-}
-
-/* dQ = scale / ds_scale times the fp32 sums, in the dtype and in row order: a thread takes the
- * four floats of one accumulator (store_dq_part's order), two columns of two rows. The tiles
- * are [B, H, N, d]; dQ is laid out as `qs` says. */
-template <int D, typename T>
-__global__ void convert_dq_tiles(const float *dq_accum, const float *ds_stats, T *dq, long tiles,
-                                 attn_strides qs, int nq, float scale) {
-  constexpr int HbRows = hb_rows(D), PartFloats = HbRows * D / HbConsumers;
-  long at = (blockIdx.x * (long)blockDim.x + threadIdx.x) * 4;
-  if (at >= tiles * HbRows * D) return;
-  long tile = at / (HbRows * D);
-  int in_tile = (int)(at % (HbRows * D)), c = in_tile / PartFloats;
-  int n = in_tile % PartFloats / (4 * WarpgroupThreads), x = in_tile % (4 * WarpgroupThreads) / 4;
-  int box = dq_split_by_box(D) ? c : 0, c0 = dq_split_by_box(D) ? 0 : c * dq_cols(D);
-  int m_tiles = (nq + HbRows - 1) / HbRows;
-  long head = tile / m_tiles;
-  int r = (int)(tile % m_tiles) * HbRows + box * DsBoxRows + x / 32 * MmaM + x % 32 / Quad;
-  int col = c0 + n * MmaN + 2 * (x % Quad);
-  float4 v = *reinterpret_cast<const float4 *>(dq_accum + at);
-  float f = scale / ds_scale(ds_stats);
-  if (r < nq)
-    *reinterpret_cast<unsigned *>(dq + row_start(qs, head, r) + col) = pack2(v.x * f, v.y * f, T());
-  if (r + 8 < nq)
-    *reinterpret_cast<unsigned *>(dq + row_start(qs, head, r + 8) + col) =
-        pack2(v.z * f, v.w * f, T());
-}
-
-/* The workspace: D of every row, then from a 128-byte boundary the fp32 dQ tiles, the bound on
- * |dS| (DsStats floats) and the deterministic path's counters; at least 09's, for the shapes
- * that run 09's backward. */
-static size_t hb_tile_floats(const attn_problem *p) {
-  int rows = hb_rows(p->head_dim);
-  return (size_t)p->batch * p->heads * ((p->seq_q + rows - 1) / rows) * rows * p->head_dim;
-}
-static size_t hb_turns(const attn_problem *p) {
-  int rows = hb_rows(p->head_dim);
-  return (size_t)p->batch * p->heads * ((p->seq_q + rows - 1) / rows) * HbConsumers;
-}
-static size_t hopper_backward_workspace(const attn_problem *p) {
-  size_t ours = sizeof(float) * (delta_floats(attn_lse_elems(p)) + hb_tile_floats(p) + DsStats) +
-                sizeof(int) * hb_turns(p);
-  return ours > backward_workspace(p) ? ours : backward_workspace(p);
 }
 
 template <int D, typename T>
