@@ -27,7 +27,8 @@ PyTorch's SDPA instead, with one warning per reason.
 
 FlashAttention's sliding window and logit softcap (flash_attn_func's window_size and softcap)
 and its packed variable-length batches (flash_attn_varlen_func) run on a stage that has them
-(13_window_softcap_varlen), through two more operators, flash_stages::forward_masked and
+(13_window_softcap_varlen; a window alone on 14_hopper_window on Hopper), through two more
+operators, flash_stages::forward_masked and
 flash_stages::backward_masked.
 
 Streams: the kernels run on PyTorch's current stream (the harness's attn_stream(), which the
@@ -495,8 +496,10 @@ def flash_attn_func(q, k, v, *, dropout_p=0.0, softmax_scale=None, causal=False,
     is only that bound ((-1, 0)) is the causal call. softcap=c > 0: each logit becomes
     c tanh(softmax_scale q.k / c) before the mask (Gemma 2's); 0 is none. Either runs on a
     stage that has it (13_window_softcap_varlen: fp16 and bf16, d = 32, 64, 128, no
-    grouped-query attention), forward and backward; without one loaded, or with k and v of
-    fewer heads than q, the call raises FlashStagesError."""
+    grouped-query attention; a window alone on 14_hopper_window where the GPU is compute
+    capability 9.0, with grouped-query attention), forward and backward; without one loaded,
+    or with k and v of fewer heads than q and no stage for that, the call raises
+    FlashStagesError."""
     if type(window_size) is not tuple or window_size != (-1, -1) or softcap != 0.0:
         left, right, softcap, causal = _window_and_softcap(window_size, softcap, causal)
         if left != -1 or right != -1 or softcap > 0:  # else the plain call below
