@@ -25,7 +25,8 @@ struct visible_keys {
   __device__ int end(int i) const {
     return right < 0 ? nkv : (int)min((long)nkv, max(0L, (long)i + offset + right + 1));
   }
-  /* The query rows that see some key of [j0, j1): [first_row, end_row), clamped to [0, nq). */
+  /* The query rows that see some key of [j0, j1) lie in [first_row, end_row): first_row is at
+   * least 0, end_row at most nq (first_row >= end_row: none). */
   __device__ int first_row(int j0) const {
     return right < 0 ? 0 : (int)max(0L, (long)j0 - offset - right);
   }
