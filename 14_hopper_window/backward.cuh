@@ -1,8 +1,7 @@
 /* Stage 14's backward: 12's, with each row's keys an interval (13's visible_keys): a key
  * block walks only the query tiles that see its keys, and only boundary tiles are masked.
- * (d = 32 runs 13's backward, whose backward.cuh the program includes first.) 12's comment:
- *
- * FlashAttention-3's backward on Hopper's machinery, at d = 64 and 128.
+ * (d = 32 runs 13's backward, whose backward.cuh the program includes first.) As in 12,
+ * FlashAttention-3's backward on Hopper's machinery, at d = 64 and 128:
  *
  * A block owns HbKeys keys of one K/V head and keeps their K and V tiles in shared memory. A
  * producer warpgroup streams the query tiles of every query head that reads them (Q and dO by
