@@ -83,36 +83,10 @@ __global__ void __launch_bounds__(HbThreads, 1)
   auto tile_row = [&](int t) { return (first + t % head_tiles) * HbRows; };
   if (wg == 0) { /* the producer: one thread issues every copy, one warp the row stats */
     give_registers<ProducerRegisters>();
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (warp == CopyWarp && lane == 0) {
-      load_tile_async<D, HbKeys, T>(&k_map, j0, bh_kv, kvs.heads, Ks, kv_full);
-      load_tile_async<D, HbKeys, T>(&v_map, j0, bh_kv, kvs.heads, Vs, kv_full);
-    }
-    if ((warp != CopyWarp || lane != 0) && warp != RowStatsWarp) return;
-    const float dss = ds_scale(ds_stats);
-    for (int t = 0; t < tiles; t++) {
-      int s = t % HbStages, i0 = tile_row(t);
-      long head = tile_head(t);
-      /* WAR: every consumer thread is done with the stage's last tile before it is refilled */
-      if (t >= HbStages) mbarrier_wait(&empty[s], (t / HbStages - 1) % 2);
-      if (warp == CopyWarp) {
-        load_tile_async<D, HbRows, T>(&q_map, i0, head, kvs.heads * group, Qs + s * RowTile,
-                                      &full[s]);
-        load_tile_async<D, HbRows, T>(&do_map, i0, head, kvs.heads * group, dOs + s * RowTile,
-                                      &full[s]);
-        continue;
-      }
-      /* LSE in log2 units and D ds_scale (see probabilities_and_ds); 0 past the queries,
-       * whose elements are masked */
-      float *lse_t = stats_s + s * 2 * HbRows, *delta_t = lse_t + HbRows;
-      for (int r = lane; r < HbRows; r += 32) {
-        int i = i0 + r;
-        lse_t[r] = i < nq ? lse[head * nq + i] * Log2e : 0.f;
-        delta_t[r] = i < nq ? delta[head * nq + i] * dss : 0.f;
-      }
-      mbarrier_arrive(&full[s]); /* releases this lane's stores */
-    }
-    return;
+    produce_query_tiles<D, T>(&q_map, &k_map, &v_map, &do_map, lse, delta, ds_stats, Ks, Vs, Qs,
+                              dOs, stats_s, kv_full, full, empty, kvs, nq, group, bh_kv, j0, first,
+                              head_tiles, tiles);
+    return; /* nothing below waits for the producer but through the barriers */
   }
 
   take_registers<consumer_registers(128)>();

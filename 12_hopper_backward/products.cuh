@@ -1,9 +1,9 @@
 /* Stage 12's tiles and products: the block's shape and shared memory, the five products of
  * the backward as wgmma (S^T, dP^T and dQ from shared memory, dV and dK with P^T and dS^T from
- * registers), the element-wise steps between them (P^T, dS^T, dS^T's store for dQ), and the
- * dQ reduction's parts (the fp32 part's layout, the copy engine's add, the deterministic
- * path's turns, the conversion to the dtype) with the workspace. backward.cuh walks them over
- * the query tiles. */
+ * registers), the element-wise steps between them (P^T, dS^T, dS^T's store for dQ), the
+ * producer warpgroup's copies, and the dQ reduction's parts (the fp32 part's layout, the copy
+ * engine's add, the deterministic path's turns, the conversion to the dtype) with the
+ * workspace. backward.cuh walks them over the query tiles. */
 #pragma once
 
 #include "../10_hopper_wgmma/forward_softmax.cuh"
@@ -339,4 +339,48 @@ static size_t hopper_backward_workspace(const attn_problem *p) {
   size_t ours = sizeof(float) * (delta_floats(attn_lse_elems(p)) + hb_tile_floats(p) + DsStats) +
                 sizeof(int) * hb_turns(p);
   return ours > backward_workspace(p) ? ours : backward_workspace(p);
+}
+
+/* The producer warpgroup's work, after it has handed its registers over: one thread copies the
+ * block's K and V (keys from j0 of K/V head bh_kv) once, then each query tile's Q and dO by
+ * TMA into ring stage t % Stages, once every consumer thread has let go of that stage; one warp
+ * writes the tile's rows of LSE and D. Tile t is query head bh_kv group + t / head_tiles (the
+ * group's heads read this K and V), rows from (first + t % head_tiles) Rows. The other
+ * producer threads have nothing to do. */
+template <int D, typename T>
+__device__ __forceinline__ void produce_query_tiles(
+    const CUtensorMap *q_map, const CUtensorMap *k_map, const CUtensorMap *v_map,
+    const CUtensorMap *do_map, const float *lse, const float *delta, const float *ds_stats, T *Ks,
+    T *Vs, T *Qs, T *dOs, float *stats_s, uint64_t *kv_full, uint64_t *full, uint64_t *empty,
+    attn_strides kvs, int nq, int group, long bh_kv, int j0, int first, int head_tiles, int tiles) {
+  using L = HbLayout<D, T>;
+  constexpr int HbRows = L::Rows, HbStages = L::Stages, RowTile = HbRows * D;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (warp == CopyWarp && lane == 0) {
+    load_tile_async<D, HbKeys, T>(k_map, j0, bh_kv, kvs.heads, Ks, kv_full);
+    load_tile_async<D, HbKeys, T>(v_map, j0, bh_kv, kvs.heads, Vs, kv_full);
+  }
+  if ((warp != CopyWarp || lane != 0) && warp != RowStatsWarp) return;
+  const float dss = ds_scale(ds_stats);
+  for (int t = 0; t < tiles; t++) {
+    int s = t % HbStages, i0 = (first + t % head_tiles) * HbRows;
+    long head = bh_kv * group + t / head_tiles;
+    /* WAR: every consumer thread is done with the stage's last tile before it is refilled */
+    if (t >= HbStages) mbarrier_wait(&empty[s], (t / HbStages - 1) % 2);
+    if (warp == CopyWarp) {
+      load_tile_async<D, HbRows, T>(q_map, i0, head, kvs.heads * group, Qs + s * RowTile, &full[s]);
+      load_tile_async<D, HbRows, T>(do_map, i0, head, kvs.heads * group, dOs + s * RowTile,
+                                    &full[s]);
+      continue;
+    }
+    /* LSE in log2 units and D ds_scale (see probabilities_and_ds); 0 past the queries,
+     * whose elements are masked */
+    float *lse_t = stats_s + s * 2 * HbRows, *delta_t = lse_t + HbRows;
+    for (int r = lane; r < HbRows; r += 32) {
+      int i = i0 + r;
+      lse_t[r] = i < nq ? lse[head * nq + i] * Log2e : 0.f;
+      delta_t[r] = i < nq ? delta[head * nq + i] * dss : 0.f;
+    }
+    mbarrier_arrive(&full[s]); /* releases this lane's stores */
+  }
 }
