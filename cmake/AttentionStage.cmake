@@ -97,6 +97,40 @@ endfunction()
 
 # compute-sanitizer's `tool` on one run of the stage (labels gpu and sanitizer); where the
 # tool is missing, the test says so and shows as skipped.
+# Sliding windows, forward and backward, on ragged (Nq, Nkv) pairs at the head dims given
+# (stages 13 and 14): a window of one key (0,0), one that looks back only (16,0), one on both
+# sides, one bounded on one side only, each with and without causal (which sets the right side
+# to 0). With Nq > Nkv and a narrow window whole rows see no key (O = 0, LSE = -inf, zero
+# gradients).
+function(attn_window_tests stage)
+  set(windows "0,0" "16,0" "100,50" "-1,32" "200,-1")
+  set(pairs 113,203 512,256 1023,1024)
+  foreach(dtype fp16 bf16)
+    foreach(d ${ARGN})
+      foreach(window ${windows})
+        string(REPLACE "," "_" w ${window})
+        string(REPLACE "-1" "inf" w ${w})
+        foreach(pair ${pairs})
+          string(REPLACE "," ";" pair ${pair})
+          list(GET pair 0 nq)
+          list(GET pair 1 nkv)
+          foreach(mask nomask causal)
+            set(c "")
+            set(m "")
+            if(mask STREQUAL "causal")
+              set(c --causal)
+              set(m ".causal")
+            endif()
+            attn_test(${stage} window.${w}.q${nq}kv${nkv}.d${d}${m}.${dtype} gpu --check
+                      --dtype ${dtype} ${c} --backward -b 2 -H 3 --seq-q ${nq} --seq-kv ${nkv}
+                      -d ${d} --window ${window})
+          endforeach()
+        endforeach()
+      endforeach()
+    endforeach()
+  endforeach()
+endfunction()
+
 function(attn_sanitizer_test stage case tool)
   set(name ${stage}.sanitizer.${tool}.${case})
   if(ATTN_COMPUTE_SANITIZER)
